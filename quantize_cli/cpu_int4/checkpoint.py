@@ -1,0 +1,155 @@
+"""Reading a Hugging Face checkpoint: resolving MODEL, validating its files, listing its tensors."""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .errors import QuantizeError
+
+INDEX_NAME = "model.safetensors.index.json"
+# Weight files of any framework: never copied into the output (ours replace them).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
+
+FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+# Integer buffers (position ids, masks) are carried over untouched; anything else (fp8, int8, ...)
+# means the checkpoint is already quantized or is something this tool cannot read correctly.
+CARRIED_DTYPES = {"I64", "I32", "BOOL"}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the source checkpoint, as its safetensors header describes it."""
+
+    name: str
+    file: Path
+    dtype: str  # safetensors dtype code, e.g. "BF16"
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A local checkpoint directory: its config and every tensor in its safetensors files."""
+
+    path: Path
+    config: dict
+    tensors: tuple[TensorInfo, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def resolve_model(model: str) -> Path:
+    """Turn the MODEL argument into a local checkpoint directory."""
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise QuantizeError(f"MODEL {model} does not exist")
+    if not path.is_dir():
+        raise QuantizeError(f"MODEL {model} is not a directory")
+    return path.resolve()
+
+
+def open_checkpoint(path: Path) -> Checkpoint:
+    """Read config.json and every safetensors header; refuse what cannot be quantized correctly."""
+    config = _read_config(path)
+    if "quantization_config" in config:
+        method = config["quantization_config"].get("quant_method", "unknown")
+        raise QuantizeError(f"{path} is already quantized (quant_method={method}); start from the bf16 model")
+    tensors = tuple(t for f in _weight_files(path) for t in _read_header(f))
+    if not tensors:
+        raise QuantizeError(f"{path} has safetensors files but no tensors in them")
+    for t in tensors:
+        if t.dtype not in FLOAT_DTYPES and t.dtype not in CARRIED_DTYPES:
+            raise QuantizeError(
+                f"tensor {t.name} has unsupported dtype {t.dtype}; expected bf16, fp16 or fp32"
+            )
+    return Checkpoint(path, config, tensors)
+
+
+def _read_config(path: Path) -> dict:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise QuantizeError(f"{path} has no config.json; is it a Hugging Face checkpoint?")
+    try:
+        return json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise QuantizeError(f"{config_file} is not valid JSON: {err}") from err
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index_file = path / INDEX_NAME
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise QuantizeError(f"{index_file} is not a valid safetensors index: {err}") from err
+        files = [path / name for name in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise QuantizeError(f"{index_file.name} names shard {f.name}, which is missing")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
+        raise QuantizeError(
+            f"{path} has only PyTorch pickle weights; convert them to safetensors first "
+            "(AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir))"
+        )
+    raise QuantizeError(f"{path} has no *.safetensors weight files")
+
+
+def _read_header(file: Path) -> list[TensorInfo]:
+    try:
+        with safe_open(file, framework="pt") as f:
+            infos = []
+            for name in f.keys():
+                meta = f.get_slice(name)
+                infos.append(TensorInfo(name, file, meta.get_dtype(), tuple(meta.get_shape())))
+            return infos
+    except Exception as err:  # safetensors raises its own types for truncated or garbled files
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise QuantizeError(f"{file.name} is not a readable safetensors file ({reason})") from err
+
+
+def _itemsize(dtype: str) -> int:
+    sizes = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2}
+    return sizes.get(dtype, 1)
+
+
+class TensorReader:
+    """Reads tensors, or row ranges of them, keeping each file open once (memory-mapped)."""
+
+    def __init__(self) -> None:
+        self._stack = ExitStack()
+        self._files: dict[Path, object] = {}
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _file(self, path: Path):
+        if path not in self._files:
+            self._files[path] = self._stack.enter_context(safe_open(path, framework="pt"))
+        return self._files[path]
+
+    def rows(self, info: TensorInfo, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop, read without loading the rest of the tensor."""
+        return self._file(info.file).get_slice(info.name)[start:stop]
+
+    def tensor(self, info: TensorInfo) -> torch.Tensor:
+        """The whole tensor, exactly as stored."""
+        return self._file(info.file).get_tensor(info.name)

@@ -1,0 +1,178 @@
+"""Deciding, by name and shape alone, what gets quantized, what is kept and what is dropped.
+
+No model class is instantiated: the rules below read tensor names and shapes, so any
+architecture whose linear layers are stored as `<module>.weight` [N, K] works, and the plan can
+be printed (`--dry-run`) before anything heavy happens.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from cpu_int4_vllm.format import GROUP_SIZES, bits_per_weight, shape_problem
+
+from .checkpoint import FLOAT_DTYPES, Checkpoint, TensorInfo
+from .errors import QuantizeError
+
+EMBEDDING_MODULES = {"embed_tokens", "wte", "word_embeddings", "embed_in", "tok_embeddings"}
+HEAD_MODULES = {"lm_head", "embed_out"}
+# 2-D weights that are not linear layers, or that vLLM runs unquantized: never quantized.
+NOT_LINEAR = re.compile(r"(norm|^ln_|\.ln_|wpe|position|rotary|\.gate$|router)")
+# vLLM fuses these siblings into one layer; a fused layer is quantized all or nothing.
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """What happens to one source tensor."""
+
+    info: TensorInfo
+    action: str  # "quantize", "keep" or "drop"
+    reason: str = ""  # why a candidate layer is kept in full precision, or why a tensor is dropped
+
+    @property
+    def module(self) -> str:
+        return self.info.name.removesuffix(".weight")
+
+
+@dataclass
+class Plan:
+    """Every source tensor's fate, plus the config fields the runtime needs."""
+
+    group_size: int
+    quantize_embedding: bool
+    tied: bool
+    choices: list[LayerChoice]
+    ignore: list[str] = field(default_factory=list)  # modules kept in full precision
+
+    @property
+    def quantized(self) -> list[LayerChoice]:
+        return [c for c in self.choices if c.action == "quantize"]
+
+    @property
+    def kept_layers(self) -> list[LayerChoice]:
+        """Candidate layers kept in full precision (the rest of "keep" are norms, biases...)."""
+        return [c for c in self.choices if c.action == "keep" and c.reason]
+
+    @property
+    def quantized_params(self) -> int:
+        return sum(c.info.shape[0] * c.info.shape[1] for c in self.quantized)
+
+    def output_bytes(self) -> int:
+        """Bytes of tensor data the output will hold."""
+        total = 0
+        for c in self.choices:
+            if c.action == "quantize":
+                n, k = c.info.shape
+                total += n * k // 2 + 2 * 2 * n * (k // self.group_size)
+            elif c.action == "keep":
+                total += c.info.nbytes
+        return total
+
+    @property
+    def bits_per_weight(self) -> float:
+        return bits_per_weight(self.group_size)
+
+
+def compile_patterns(patterns: list[str]) -> list[re.Pattern | str]:
+    """Validate --ignore patterns: exact module names, dotted suffixes, or `re:<regex>`."""
+    compiled: list[re.Pattern | str] = []
+    for p in patterns:
+        if p.startswith("re:"):
+            try:
+                compiled.append(re.compile(p[3:]))
+            except re.error as err:
+                raise QuantizeError(f"invalid --ignore regex {p!r}: {err}") from err
+        else:
+            compiled.append(p.removesuffix(".weight"))
+    return compiled
+
+
+def matches(module: str, patterns: list[re.Pattern | str]) -> bool:
+    """True if the module is named by a pattern (exact, dotted suffix, or regex search)."""
+    for p in patterns:
+        if isinstance(p, re.Pattern):
+            if p.search(module):
+                return True
+        elif module == p or module.endswith("." + p):
+            return True
+    return False
+
+
+def make_plan(
+    ckpt: Checkpoint,
+    group_size: int = 64,
+    ignore: list[str] | None = None,
+    quantize_embedding: bool = True,
+) -> Plan:
+    """Decide every tensor's fate; layers that break a shape rule are kept and named in `ignore`."""
+    if group_size not in GROUP_SIZES:
+        raise QuantizeError(f"group size {group_size} is not supported; use one of {list(GROUP_SIZES)}")
+    patterns = compile_patterns(ignore or [])
+    tied = _is_tied(ckpt)
+    choices = [_choose(t, group_size, patterns, quantize_embedding, tied) for t in ckpt.tensors]
+    choices = _keep_fused_siblings_together(choices)
+    plan = Plan(group_size, quantize_embedding, tied, choices)
+    plan.ignore = sorted({c.module for c in plan.kept_layers})
+    if tied and any(_role(c.module) == "embedding" for c in plan.kept_layers):
+        plan.ignore.append("lm_head")  # the tied head is the table: it follows the table's fate
+    return plan
+
+
+def _is_tied(ckpt: Checkpoint) -> bool:
+    config = ckpt.config.get("text_config", ckpt.config)
+    if "tie_word_embeddings" in config:
+        return bool(config["tie_word_embeddings"])
+    # transformers' default is True, but a checkpoint that stores its own head is not tied.
+    return not any(_role(t.name.removesuffix(".weight")) == "head" for t in ckpt.tensors)
+
+
+def _role(module: str) -> str:
+    last = module.rsplit(".", 1)[-1]
+    if last in EMBEDDING_MODULES:
+        return "embedding"
+    if last in HEAD_MODULES:
+        return "head"
+    return "linear"
+
+
+def _choose(
+    info: TensorInfo,
+    group_size: int,
+    patterns: list,
+    quantize_embedding: bool,
+    tied: bool,
+) -> LayerChoice:
+    if not info.name.endswith(".weight") or len(info.shape) != 2 or info.dtype not in FLOAT_DTYPES:
+        return LayerChoice(info, "keep")
+    module = info.name.removesuffix(".weight")
+    role = _role(module)
+    if role == "linear" and NOT_LINEAR.search(module):
+        return LayerChoice(info, "keep")
+    if role == "head" and tied:
+        return LayerChoice(info, "drop", "tied to the embedding table")
+    if role == "embedding" and not quantize_embedding:
+        return LayerChoice(info, "keep", "--no-quantize-embedding")
+    if matches(module, patterns):
+        return LayerChoice(info, "keep", "--ignore")
+    problem = shape_problem(info.shape[0], info.shape[1], group_size)
+    if problem:
+        return LayerChoice(info, "keep", problem)
+    return LayerChoice(info, "quantize")
+
+
+def _keep_fused_siblings_together(choices: list[LayerChoice]) -> list[LayerChoice]:
+    by_module = {c.module: c for c in choices}
+    result = []
+    for c in choices:
+        parent, _, last = c.module.rpartition(".")
+        if c.action == "quantize":
+            for group in FUSED_SIBLINGS:
+                if last not in group:
+                    continue
+                kept = [s for s in group if (sib := by_module.get(f"{parent}.{s}")) and sib.reason]
+                if kept:
+                    c = LayerChoice(c.info, "keep", f"fused in vLLM with {parent}.{kept[0]}, which is kept")
+        result.append(c)
+    return result

@@ -1,0 +1,128 @@
+"""The cpu_int4 checkpoint format: nibble packing, min/max quantization, dequantization, config keys.
+
+The one definition of the format, shared by the quantizer and the vLLM plugin. It imports only
+torch, so the quantizer can use it without loading vLLM (DESIGN §1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+QUANT_METHOD = "cpu_int4"
+GROUP_SIZES = (32, 64, 128, 256)  # the only group sizes the tinygemm CPU kernel accepts
+ROW_MULTIPLE = 16  # the int4 packer refuses N that is not a multiple of 16
+ZERO_CODE = 8  # w = (q - 8) * scale + zero, the tinygemm convention
+MAX_CODE = 15
+
+PACKED_SUFFIX = "weight_packed"
+SCALE_SUFFIX = "weight_scale"
+ZERO_SUFFIX = "weight_zero"
+
+# Every quantization_config key with its default (DESIGN §1.2); the runtime fills gaps from here.
+CONFIG_DEFAULTS: dict[str, object] = {
+    "quant_method": QUANT_METHOD,
+    "method": "minmax",
+    "group_size": 64,
+    "ignore": [],
+    "quantize_embedding": True,
+    "prefill_dequant": True,
+    "dequant_threshold": 2,
+    "use_custom_op": True,
+    "direct_dequant": True,
+}
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Pack uint8 codes 0..15 of shape [N, K] into [N, K/2] bytes, low nibble first."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"last dimension {codes.shape[-1]} is odd; cannot pack two codes a byte")
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Unpack [N, K/2] bytes into uint8 codes [N, K] (inverse of pack_nibbles)."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def _group_view(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"K={k} is not a multiple of group size {group_size}")
+    return weight.reshape(n, k // group_size, group_size)
+
+
+def quantize_minmax(
+    weight: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Min/max group-wise 4-bit quantization (DESIGN §1.1).
+
+    Returns (packed uint8 [N, K/2], scale bf16 [N, K/g], zero bf16 [N, K/g]). The math runs in
+    fp32; codes are rounded against the bf16 scale and zero actually stored, so dequantization
+    is as close to the source as the stored numbers allow.
+    """
+    groups = _group_view(weight.float(), group_size)
+    low = groups.amin(dim=-1)
+    high = groups.amax(dim=-1)
+    # Dividing before subtracting keeps the range finite for magnitudes near the fp32 limit.
+    scale = (high / MAX_CODE - low / MAX_CODE).clamp_min(torch.finfo(torch.float32).tiny)
+    zero = low + ZERO_CODE * scale
+    return encode(weight, scale, zero, group_size)
+
+
+def encode(
+    weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round weights to the codes of a given per-group grid; returns (packed, scale, zero) as stored."""
+    scale = scale.to(torch.bfloat16)
+    zero = zero.to(torch.bfloat16)
+    codes = round_to_codes(_group_view(weight.float(), group_size), scale.float(), zero.float())
+    return pack_nibbles(codes.reshape(weight.shape)), scale, zero
+
+
+def round_to_codes(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Nearest code 0..15 for each weight of [N, G, g] groups under per-group scale/zero [N, G]."""
+    steps = groups / scale[..., None] - (zero / scale)[..., None]
+    steps = torch.nan_to_num(steps, nan=0.0)  # 0/0 cannot occur with scale >= tiny; inf clamps
+    return (steps.round_() + ZERO_CODE).clamp_(0, MAX_CODE).to(torch.uint8)
+
+
+def dequantize(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    group_size: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Dequantize row-major tensors: w = (q - 8) * scale + zero, computed in fp32."""
+    return dequantize_codes(unpack_nibbles(packed), scale, zero, group_size, dtype)
+
+
+def dequantize_codes(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    group_size: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Dequantize unpacked codes [N, K] with per-group scale and zero [N, K/g]."""
+    n, k = codes.shape
+    groups = codes.reshape(n, k // group_size, group_size).float() - ZERO_CODE
+    weight = groups * scale.float()[..., None] + zero.float()[..., None]
+    return weight.reshape(n, k).to(dtype)
+
+
+def shape_problem(n: int, k: int, group_size: int) -> str | None:
+    """Why a [N, K] weight cannot be quantized at this group size (DESIGN §1.4), or None."""
+    if k % group_size:
+        return f"K={k} is not a multiple of group size {group_size}"
+    if n % ROW_MULTIPLE:
+        return f"N={n} is not a multiple of {ROW_MULTIPLE}"
+    return None
+
+
+def bits_per_weight(group_size: int) -> float:
+    """Storage cost of one quantized weight: a 4-bit code plus its share of bf16 scale and zero."""
+    return 4 + 2 * 16 / group_size

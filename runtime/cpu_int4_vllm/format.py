@@ -126,3 +126,44 @@ def shape_problem(n: int, k: int, group_size: int) -> str | None:
 def bits_per_weight(group_size: int) -> float:
     """Storage cost of one quantized weight: a 4-bit code plus its share of bf16 scale and zero."""
     return 4 + 2 * 16 / group_size
+
+
+_CONFIG_TYPES: dict[str, type] = {
+    "quant_method": str,
+    "method": str,
+    "group_size": int,
+    "ignore": list,
+    "quantize_embedding": bool,
+    "prefill_dequant": bool,
+    "dequant_threshold": int,
+    "use_custom_op": bool,
+    "direct_dequant": bool,
+}
+
+
+def parse_config(raw: object) -> tuple[dict, list[str]]:
+    """Validate a `quantization_config` block; returns (settings with defaults, unknown keys).
+
+    Raises ValueError naming the field for a value of the wrong type or out of range.
+    """
+    if not isinstance(raw, dict):
+        raise ValueError(f"quantization_config must be a JSON object, not {type(raw).__name__}")
+    settings = dict(CONFIG_DEFAULTS)
+    unknown = sorted(str(k) for k in raw if k not in CONFIG_DEFAULTS)
+    for key, kind in _CONFIG_TYPES.items():
+        if key not in raw:
+            continue
+        value = raw[key]
+        # bool is a subclass of int: refuse `"group_size": true` explicitly.
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(f"quantization_config.{key} must be {kind.__name__}, got {value!r}")
+        settings[key] = value
+    if settings["quant_method"] != QUANT_METHOD:
+        raise ValueError(f"quantization_config.quant_method is {settings['quant_method']!r}, not {QUANT_METHOD!r}")
+    if settings["group_size"] not in GROUP_SIZES:
+        raise ValueError(f"quantization_config.group_size {settings['group_size']} is not one of {list(GROUP_SIZES)}")
+    if not all(isinstance(name, str) for name in settings["ignore"]):
+        raise ValueError("quantization_config.ignore must be a list of module names")
+    if settings["dequant_threshold"] < 1:
+        raise ValueError("quantization_config.dequant_threshold must be at least 1")
+    return settings, unknown

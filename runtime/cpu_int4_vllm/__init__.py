@@ -1,0 +1,22 @@
+"""cpu_int4 runtime: the checkpoint format and the vLLM plugin that serves it on the CPU.
+
+`register()` is the `vllm.general_plugins` entry point. vLLM calls it in every process it starts,
+so it is idempotent, and it imports vLLM only when called: `cpu_int4_vllm.format` and
+`cpu_int4_vllm.layout` stay usable with torch alone.
+"""
+
+_registered = False
+
+
+def register() -> None:
+    """Register the `cpu_int4` quantization config with vLLM (once per process)."""
+    global _registered
+    if _registered:
+        return
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    from .config import CpuInt4Config
+    from .format import QUANT_METHOD
+
+    register_quantization_config(QUANT_METHOD)(CpuInt4Config)
+    _registered = True

@@ -1,0 +1,99 @@
+"""The int4 linear: tinygemm kernel for decode rows, dequantize + dense GEMM for prefill.
+
+Behind a registered custom op with a fake implementation, so torch.compile sees one opaque call
+with the right output shape and never guards on the row count (DESIGN §2).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from .format import dequantize, dequantize_codes, unpack_nibbles
+from .layout import learn_layout, pack_for_kernel, unpack_kernel_codes
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_kernel_weights(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    direct_dequant: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Kernel tensors from the checkpoint's row-major ones: (kernel packed, scales_and_zeros,
+    row-major packed or None).
+
+    The row-major copy is kept only when asked (direct_dequant off) or when the learned layout
+    does not read this weight back exactly: a safe path instead of wrong weights (DESIGN §2.1).
+    """
+    codes = unpack_nibbles(packed)
+    kernel_packed = pack_for_kernel(codes)
+    scales_and_zeros = torch.stack((scale.t(), zero.t()), dim=-1).to(torch.bfloat16).contiguous()
+    if not direct_dequant:
+        return kernel_packed, scales_and_zeros, packed
+    layout = learn_layout(codes.shape[0])
+    if layout is None or not torch.equal(unpack_kernel_codes(kernel_packed, layout, codes.shape[1]), codes):
+        logger.warning("cpu_int4: kernel layout for shape %s not understood; keeping a row-major copy",
+                       tuple(codes.shape))
+        return kernel_packed, scales_and_zeros, packed
+    return kernel_packed, scales_and_zeros, None
+
+
+def dequantize_kernel_weight(
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    rowmajor: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """bf16 [N, K] weight from the kernel's tensors (or from a row-major copy when given)."""
+    scale = scales_and_zeros[..., 0].t()
+    zero = scales_and_zeros[..., 1].t()
+    if rowmajor is not None:
+        return dequantize(rowmajor, scale, zero, group_size)
+    n = scales_and_zeros.shape[1]
+    k = scales_and_zeros.shape[0] * group_size
+    codes = unpack_kernel_codes(packed, learn_layout(n), k)
+    return dequantize_codes(codes, scale, zero, group_size)
+
+
+def int4_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    dequant_threshold: int,
+    rowmajor: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = x @ W.T for bf16 x [..., K]; W held in the kernel's packed int4 layout.
+
+    Rows >= dequant_threshold dequantize once and use the dense GEMM: the tinygemm kernel
+    dequantizes per row and loses above ~8 rows, and on AMX hosts multi-row calls followed
+    by vLLM's CPU attention died with SIGILL (DESIGN §2).
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] >= dequant_threshold:
+        out = F.linear(rows, dequantize_kernel_weight(packed, scales_and_zeros, group_size, rowmajor))
+    else:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_and_zeros)
+    return out.reshape(*x.shape[:-1], scales_and_zeros.shape[1])
+
+
+@torch.library.custom_op("cpu_int4::linear", mutates_args=())
+def int4_linear_op(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    dequant_threshold: int,
+    rowmajor: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """int4_linear as an opaque op for torch.compile."""
+    return int4_linear(x, packed, scales_and_zeros, group_size, dequant_threshold, rowmajor)
+
+
+@int4_linear_op.register_fake
+def _(x, packed, scales_and_zeros, group_size, dequant_threshold, rowmajor=None):
+    return x.new_empty(*x.shape[:-1], scales_and_zeros.shape[1])

@@ -1,0 +1,128 @@
+"""vLLM serving cpu_int4 checkpoints: fidelity against a PyTorch reference, both compute paths,
+memory, eager and compiled modes. One engine per configuration, shared by the module."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpu_int4.dequantized import load_reference_model
+
+WIKI = Path(__file__).resolve().parents[2] / "shared" / "data" / "wiki.test.raw"
+KV_BYTES = 1 << 30
+GREEDY16 = dict(max_tokens=16, temperature=0.0)
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "1, 2, 3, 4,",
+    "In 1905 Albert Einstein published four papers that",
+    "def fibonacci(n):",
+    "The three primary colors are red,",
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old "
+    "woodcutter and his daughter. Every morning they",
+    "Q: What is the boiling point of water at sea level? A:",
+]
+
+
+def make_llm(model: Path, **kwargs):
+    from vllm import LLM
+
+    kwargs.setdefault("enforce_eager", True)
+    return LLM(model=str(model), max_model_len=2048, kv_cache_memory_bytes=KV_BYTES, seed=0, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def quant_llm(demo_quantized):
+    return make_llm(demo_quantized)
+
+
+@pytest.fixture(scope="module")
+def bf16_llm(demo_model):
+    return make_llm(demo_model)
+
+
+@pytest.fixture(scope="module")
+def wiki_ids(demo_model) -> list[int]:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(demo_model).encode(WIKI.read_text()[:20000])
+    return ids[:1025]  # 1,024 predicted positions
+
+
+def vllm_prompt_top1(llm, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Argmax token and logprob of the actual next token at every prompt position."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    out = llm.generate(
+        [TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False
+    )[0]
+    top = [next(t for t, lp in d.items() if lp.rank == 1) for d in out.prompt_logprobs[1:]]
+    actual = [d[ids[i]].logprob for i, d in enumerate(out.prompt_logprobs[1:], start=1)]
+    return torch.tensor(top), torch.tensor(actual)
+
+
+def torch_top1(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    actual = logits.log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return logits.argmax(-1), actual
+
+
+def test_served_argmax_matches_the_pytorch_reference(quant_llm, bf16_llm, demo_model, demo_quantized, wiki_ids):
+    from transformers import AutoModelForCausalLM
+
+    q_top, q_lp = vllm_prompt_top1(quant_llm, wiki_ids)
+    ref_top, ref_lp = torch_top1(load_reference_model(demo_quantized), wiki_ids)
+    b_top, b_lp = vllm_prompt_top1(bf16_llm, wiki_ids)
+    base = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.bfloat16).eval()
+    c_top, c_lp = torch_top1(base, wiki_ids)
+    agree = (q_top == ref_top).float().mean().item()
+    control = (b_top == c_top).float().mean().item()
+    print(
+        f"\n{len(wiki_ids) - 1} positions: cpu_int4 vLLM vs reference top-1 agreement {agree:.2%},"
+        f" mean |dlogprob| {(q_lp - ref_lp).abs().mean():.4f};"
+        f" control bf16 vLLM vs PyTorch {control:.2%}, mean |dlogprob| {(b_lp - c_lp).abs().mean():.4f}"
+    )
+    assert agree >= 0.97
+    assert agree >= control - 0.01
+
+
+def test_prompt_alone_and_in_a_batch_agree(quant_llm):
+    from vllm import SamplingParams
+
+    params = SamplingParams(**GREEDY16)
+    alone = quant_llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+    batch = quant_llm.generate(PROMPTS, params, use_tqdm=False)
+    assert len({len(p) for p in PROMPTS}) == len(PROMPTS)
+    assert list(batch[0].outputs[0].token_ids) == list(alone)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in batch)
+
+
+def test_no_second_packed_copy_and_tied_head_shares_the_table(quant_llm):
+    from cpu_int4_vllm.report import int4_memory_report
+
+    report = quant_llm.apply_model(int4_memory_report)[0]
+    linears = {k: v for k, v in report["modules"].items() if v["kind"] == "linear"}
+    assert len(linears) == 30 * 4  # qkv, o, gate_up, down in each of 30 layers
+    for name, r in linears.items():
+        assert r["packed_bytes_held"] == r["packed_bytes_one_copy"], name
+        assert r["tensors"] == ["int4_packed", "scales_and_zeros"], name
+    table = report["modules"]["model.embed_tokens"]
+    # The table keeps row-major tensors for lookups and the kernel layout for the head (DESIGN §1.3).
+    assert table["tensors"] == ["int4_packed", "scales_and_zeros", "weight_packed", "weight_scale", "weight_zero"]
+    assert table["packed_bytes_held"] == 2 * table["packed_bytes_one_copy"]
+    # The tied head is the table module itself: no tensor of its own.
+    assert report["lm_head_module"] == "model.embed_tokens"
+
+
+def test_compiled_mode_matches_eager(quant_llm, demo_quantized):
+    from vllm import SamplingParams
+
+    compiled = make_llm(demo_quantized, enforce_eager=False)
+    params = SamplingParams(**GREEDY16)
+    got = [o.outputs[0].token_ids for o in compiled.generate(PROMPTS[:4], params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in quant_llm.generate(PROMPTS[:4], params, use_tqdm=False)]
+    assert [list(g) for g in got] == [list(w) for w in want]

@@ -26,6 +26,7 @@ demo: install
 	$(PY) examples/demo.py
 
 test: install
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests
 
 lint: install

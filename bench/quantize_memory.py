@@ -34,7 +34,9 @@ def main() -> None:
     subprocess.run([str(cli), "quantize", str(source), str(out)], check=True, stdout=subprocess.DEVNULL)
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    print(f"| checkpoint | {size / 1e9:.2f} GB bf16 ({args.layers} layers of Llama-2-7B shape, vocab 49152) |")
+    print(
+        f"| checkpoint | {size / 1e9:.2f} GB bf16 ({args.layers} layers of Llama-2-7B shape, vocab 49152) |"
+    )
     print(f"| output | {sum(f.stat().st_size for f in out.glob('*.safetensors')) / 1e9:.2f} GB |")
     print(f"| wall time | {seconds:.1f} s ({size / 1e9 / seconds:.2f} GB/s of bf16 input) |")
     print(f"| peak RSS of `cpu-int4 quantize` | {peak / 2**20:.0f} MiB |")

@@ -43,11 +43,21 @@ def build_synthetic(path: Path, layers: int = 4) -> Path:
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
-        "intermediate_size": MLP, "num_hidden_layers": layers, "num_attention_heads": 32,
-        "num_key_value_heads": 32, "vocab_size": VOCAB, "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": MLP,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path

@@ -33,7 +33,8 @@ def main() -> None:
     seconds = time.perf_counter() - start
     tokens = len(result.outputs[0].token_ids)
     print(f"\nQ: {QUESTION}\nA: {result.outputs[0].text.strip()}")
-    print(f"{tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tok/s (prefill + decode, eager, cpu_int4)")
+    rate = tokens / seconds
+    print(f"{tokens} tokens in {seconds:.2f} s = {rate:.1f} tok/s (prefill + decode, eager, cpu_int4)")
 
 
 if __name__ == "__main__":

@@ -33,12 +33,16 @@ def build_demo_model(target: Path = DEFAULT_DIR) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     gguf = gguf_file()
-    staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent if target.parent.exists() else None))
+    staging = Path(
+        tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent if target.parent.exists() else None)
+    )
     try:
         kwargs = dict(gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, dtype=torch.bfloat16,
-            quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True), **kwargs,
+            gguf.parent,
+            dtype=torch.bfloat16,
+            quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
+            **kwargs,
         )
         model.config.quantization_config = None
         del model.config.quantization_config

@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
 from cpu_int4_vllm.format import dequantize
+from safetensors.torch import load_file
 
 BF16_REL = 2.0**-8  # bf16 keeps 8 significant bits: relative rounding of a stored scale or zero
 
@@ -16,8 +15,7 @@ BF16_REL = 2.0**-8  # bf16 keeps 8 significant bits: relative rounding of a stor
 def load_all(path: Path) -> dict[str, torch.Tensor]:
     tensors = {}
     for f in sorted(path.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as h:
-            tensors.update({k: h.get_tensor(k) for k in h.keys()})
+        tensors.update(load_file(f))
     return tensors
 
 

@@ -6,11 +6,10 @@ import json
 
 import pytest
 import torch
+from cpu_int4.cli import app
 from safetensors.torch import save_file
 from tiny_models import tiny_llama
 from typer.testing import CliRunner
-
-from cpu_int4.cli import app
 
 runner = CliRunner()
 

@@ -1,7 +1,6 @@
 """The format's math: nibble packing and min/max quantization (DESIGN §1)."""
 
 import torch
-
 from cpu_int4_vllm.format import (
     dequantize,
     pack_nibbles,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from cpu_int4_vllm.format import dequantize, quantize_minmax, unpack_nibbles
 from cpu_int4_vllm.kernels import dequantize_kernel_weight, int4_linear, prepare_kernel_weights
 from cpu_int4_vllm.layout import learn_layout, pack_for_kernel, unpack_kernel_codes
@@ -92,7 +91,9 @@ def test_misread_layout_falls_back_to_row_major(monkeypatch):
     monkeypatch.setattr(kernels, "learn_layout", lambda n: wrong)
     kernel_packed, sz, rowmajor = prepare_kernel_weights(packed, scale, zero)
     assert rowmajor is not None and torch.equal(rowmajor, packed)
-    assert torch.equal(dequantize_kernel_weight(kernel_packed, sz, 64, rowmajor), dequantize(packed, scale, zero, 64))
+    assert torch.equal(
+        dequantize_kernel_weight(kernel_packed, sz, 64, rowmajor), dequantize(packed, scale, zero, 64)
+    )
 
 
 def test_rowmajor_codes_are_the_checkpoint_codes():

@@ -15,13 +15,18 @@ def test_layout_tests_pass_under_avx2_dispatch():
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
     isa = subprocess.run(
         [sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
-        env=env, capture_output=True, text=True, check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert isa.stdout.strip() == "AVX2"
     module = Path(__file__).with_name("test_layout.py")
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(module)],
-        env=env, capture_output=True, text=True,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 0, run.stdout[-3000:]
     assert " passed" in run.stdout and "failed" not in run.stdout and "skipped" not in run.stdout

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from checks import check_output, load_all
+from cpu_int4.cli import app
 from tiny_models import tiny_llama, tiny_qwen2
 from typer.testing import CliRunner
-
-from cpu_int4.cli import app
 
 runner = CliRunner()
 
@@ -28,12 +27,23 @@ def test_demo_model_dequantizes_to_the_source(demo_model, demo_quantized):
     assert "model.embed_tokens" in result["quantized"]
     assert len(result["quantized"]) == 1 + 30 * 7  # table + 7 linears in each of 30 layers
     files = {p.name for p in demo_quantized.iterdir()}
-    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"} <= files
+    assert {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+    } <= files
     qc = json.loads((demo_quantized / "config.json").read_text())["quantization_config"]
     assert qc == {
-        "quant_method": "cpu_int4", "method": "minmax", "group_size": 64, "ignore": [],
-        "quantize_embedding": True, "prefill_dequant": True, "dequant_threshold": 2,
-        "use_custom_op": True, "direct_dequant": True,
+        "quant_method": "cpu_int4",
+        "method": "minmax",
+        "group_size": 64,
+        "ignore": [],
+        "quantize_embedding": True,
+        "prefill_dequant": True,
+        "dequant_threshold": 2,
+        "use_custom_op": True,
+        "direct_dequant": True,
     }
 
 
@@ -159,7 +169,9 @@ def test_overwrite_replaces_output(tmp_path):
 def test_exit_code_and_one_line_error_from_the_console_script(tmp_path):
     proc = subprocess.run(
         [Path(sys.executable).parent / "cpu-int4", "quantize", str(tmp_path / "nope"), str(tmp_path / "out")],
-        capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
     )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [f"error: MODEL {tmp_path / 'nope'} does not exist"]

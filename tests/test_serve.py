@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cpu_int4.dequantized import load_reference_model
 
 WIKI = Path(__file__).resolve().parents[2] / "shared" / "data" / "wiki.test.raw"
@@ -71,7 +70,9 @@ def torch_top1(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return logits.argmax(-1), actual
 
 
-def test_served_argmax_matches_the_pytorch_reference(quant_llm, bf16_llm, demo_model, demo_quantized, wiki_ids):
+def test_served_argmax_matches_the_pytorch_reference(
+    quant_llm, bf16_llm, demo_model, demo_quantized, wiki_ids
+):
     from transformers import AutoModelForCausalLM
 
     q_top, q_lp = vllm_prompt_top1(quant_llm, wiki_ids)
@@ -112,7 +113,13 @@ def test_no_second_packed_copy_and_tied_head_shares_the_table(quant_llm):
         assert r["tensors"] == ["int4_packed", "scales_and_zeros"], name
     table = report["modules"]["model.embed_tokens"]
     # The table keeps row-major tensors for lookups and the kernel layout for the head (DESIGN §1.3).
-    assert table["tensors"] == ["int4_packed", "scales_and_zeros", "weight_packed", "weight_scale", "weight_zero"]
+    assert table["tensors"] == [
+        "int4_packed",
+        "scales_and_zeros",
+        "weight_packed",
+        "weight_scale",
+        "weight_zero",
+    ]
     assert table["packed_bytes_held"] == 2 * table["packed_bytes_one_copy"]
     # The tied head is the table module itself: no tensor of its own.
     assert report["lm_head_module"] == "model.embed_tokens"

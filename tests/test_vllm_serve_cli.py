@@ -26,10 +26,24 @@ def server(demo_quantized, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "vllm.log"
     vllm = Path(sys.executable).parent / "vllm"
-    cmd = [str(vllm), "serve", str(demo_quantized), "--host", "127.0.0.1", "--port", str(port),
-           "--enforce-eager", "--max-model-len", "1024", "--served-model-name", "demo"]
+    cmd = [
+        str(vllm),
+        "serve",
+        str(demo_quantized),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--max-model-len",
+        "1024",
+        "--served-model-name",
+        "demo",
+    ]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_S
@@ -57,8 +71,10 @@ def test_chat_completion_with_the_openai_client(server):
 
     client = OpenAI(base_url=f"{server}/v1", api_key="unused")
     reply = client.chat.completions.create(
-        model="demo", messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=24, temperature=0,
+        model="demo",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24,
+        temperature=0,
     )
     text = reply.choices[0].message.content
     assert "Paris" in text

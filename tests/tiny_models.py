@@ -11,8 +11,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 def tiny_llama(path: Path, dtype=torch.bfloat16, intermediate_size=128, max_shard_size=None, **kw) -> Path:
     """Llama with tied embeddings (like SmolLM2): hidden 64, 2 layers, vocab 256."""
     config = LlamaConfig(
-        hidden_size=64, intermediate_size=intermediate_size, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True, **kw,
+        hidden_size=64,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        tie_word_embeddings=True,
+        **kw,
     )
     return _save(config, path, dtype, max_shard_size)
 
@@ -20,8 +26,13 @@ def tiny_llama(path: Path, dtype=torch.bfloat16, intermediate_size=128, max_shar
 def tiny_qwen2(path: Path, dtype=torch.bfloat16) -> Path:
     """Qwen2 with q/k/v biases and an untied lm_head."""
     config = Qwen2Config(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        tie_word_embeddings=False,
     )
     return _save(config, path, dtype, None)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from contextlib import ExitStack
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +21,7 @@ FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float
 # Integer buffers (position ids, masks) are carried over untouched; anything else (fp8, int8, ...)
 # means the checkpoint is already quantized or is something this tool cannot read correctly.
 CARRIED_DTYPES = {"I64", "I32", "BOOL"}
+STORAGE_DTYPES = {**FLOAT_DTYPES, "I64": torch.int64, "I32": torch.int32, "BOOL": torch.bool}
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class TensorInfo:
     file: Path
     dtype: str  # safetensors dtype code, e.g. "BF16"
     shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in its file
 
     @property
     def numel(self) -> int:
@@ -119,16 +121,21 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def _read_header(file: Path) -> list[TensorInfo]:
+    # safe_open validates the file (header, offsets, size) the way every loader will.
     try:
-        with safe_open(file, framework="pt") as f:
-            infos = []
-            for name in f.keys():
-                meta = f.get_slice(name)
-                infos.append(TensorInfo(name, file, meta.get_dtype(), tuple(meta.get_shape())))
-            return infos
+        with safe_open(file, framework="pt"):
+            pass
     except Exception as err:  # safetensors raises its own types for truncated or garbled files
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise QuantizeError(f"{file.name} is not a readable safetensors file ({reason})") from err
+    with open(file, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return [
+        TensorInfo(name, file, meta["dtype"], tuple(meta["shape"]), 8 + length + meta["data_offsets"][0])
+        for name, meta in header.items()
+    ]
 
 
 def _itemsize(dtype: str) -> int:
@@ -137,27 +144,36 @@ def _itemsize(dtype: str) -> int:
 
 
 class TensorReader:
-    """Reads tensors, or row ranges of them, keeping each file open once (memory-mapped)."""
+    """Reads tensors, or row ranges of them, with pread: no memory map, so pages already read do
+    not stay in the process (with mmap, RSS grew to the checkpoint's size)."""
 
     def __init__(self) -> None:
-        self._stack = ExitStack()
-        self._files: dict[Path, object] = {}
+        self._fds: dict[Path, int] = {}
 
     def __enter__(self) -> TensorReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stack.close()
-
-    def _file(self, path: Path):
-        if path not in self._files:
-            self._files[path] = self._stack.enter_context(safe_open(path, framework="pt"))
-        return self._files[path]
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
 
     def rows(self, info: TensorInfo, start: int, stop: int) -> torch.Tensor:
-        """Rows start:stop, read without loading the rest of the tensor."""
-        return self._file(info.file).get_slice(info.name)[start:stop]
+        """Rows start:stop of a tensor, read without touching the rest."""
+        row_bytes = info.nbytes // info.shape[0]
+        data = self.raw(info, start * row_bytes, (stop - start) * row_bytes)
+        return data.view(STORAGE_DTYPES[info.dtype]).reshape(stop - start, *info.shape[1:])
 
-    def tensor(self, info: TensorInfo) -> torch.Tensor:
-        """The whole tensor, exactly as stored."""
-        return self._file(info.file).get_tensor(info.name)
+    def raw(self, info: TensorInfo, begin: int, size: int) -> torch.Tensor:
+        """`size` bytes of a tensor's data from byte `begin`, as uint8."""
+        if info.file not in self._fds:
+            self._fds[info.file] = os.open(info.file, os.O_RDONLY)
+        buffer = torch.empty(size, dtype=torch.uint8)
+        view = memoryview(buffer.numpy())
+        done = 0
+        while done < size:
+            got = os.preadv(self._fds[info.file], [view[done:]], info.offset + begin + done)
+            if got == 0:
+                raise QuantizeError(f"{info.file.name} ended early while reading {info.name}")
+            done += got
+        return buffer

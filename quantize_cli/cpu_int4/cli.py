@@ -14,7 +14,9 @@ from rich.table import Table
 from .errors import QuantizeError
 from .quantize import Summary, quantize
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Quantize HF checkpoints to 4-bit for vLLM on CPUs.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Quantize HF checkpoints to 4-bit for vLLM on CPUs."
+)
 console = Console(stderr=True)
 
 
@@ -40,9 +42,13 @@ def quantize_cmd(
     group_size: Annotated[int, typer.Option(help="Weights per scale/zero pair: 32, 64, 128 or 256.")] = 64,
     ignore: Annotated[
         list[str] | None,
-        typer.Option(help="Keep a module in full precision: exact name, dotted suffix, or re:<regex>. Repeatable."),
+        typer.Option(
+            help="Keep a module in full precision: exact name, dotted suffix, or re:<regex>. Repeatable."
+        ),
     ] = None,
-    quantize_embedding: Annotated[bool, typer.Option(help="Quantize the token embedding (and a tied head).")] = True,
+    quantize_embedding: Annotated[
+        bool, typer.Option(help="Quantize the token embedding (and a tied head).")
+    ] = True,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB or 500MB.")] = "5GB",
     overwrite: Annotated[bool, typer.Option(help="Replace OUT if it exists.")] = False,
     dry_run: Annotated[bool, typer.Option(help="Print the plan and write nothing.")] = False,
@@ -61,8 +67,14 @@ def quantize_cmd(
         task = bar.add_task("quantizing", total=None)
         try:
             summary = quantize(
-                model, out, group_size=group_size, ignore=ignore or [], quantize_embedding=quantize_embedding,
-                max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run,
+                model,
+                out,
+                group_size=group_size,
+                ignore=ignore or [],
+                quantize_embedding=quantize_embedding,
+                max_shard_size=max_shard_size,
+                overwrite=overwrite,
+                dry_run=dry_run,
                 progress=lambda done, total: bar.update(task, advance=done, total=total),
             )
         except QuantizeError as err:

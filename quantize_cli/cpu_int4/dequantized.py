@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
 from cpu_int4_vllm.format import PACKED_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX, dequantize
+from safetensors.torch import load_file
 
 
 def dequantized_state_dict(path: Path, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
@@ -17,8 +16,7 @@ def dequantized_state_dict(path: Path, dtype: torch.dtype = torch.bfloat16) -> d
     group_size = json.loads((path / "config.json").read_text())["quantization_config"]["group_size"]
     raw: dict[str, torch.Tensor] = {}
     for f in sorted(path.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as h:
-            raw.update({k: h.get_tensor(k) for k in h.keys()})
+        raw.update(load_file(f))
     state = {}
     for name, tensor in raw.items():
         module, _, leaf = name.rpartition(".")

@@ -10,10 +10,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from cpu_int4_vllm.format import CONFIG_DEFAULTS, PACKED_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX
 
-from .checkpoint import INDEX_NAME, WEIGHT_SUFFIXES, Checkpoint, TensorReader, open_checkpoint, resolve_model
+from .checkpoint import (
+    INDEX_NAME,
+    WEIGHT_SUFFIXES,
+    Checkpoint,
+    TensorInfo,
+    TensorReader,
+    open_checkpoint,
+    resolve_model,
+)
 from .errors import QuantizeError
 from .methods import METHODS
 from .outdir import OutputDir
@@ -111,7 +118,7 @@ def _write_weights(
                 if c.action == "quantize":
                     _quantize_layer(reader, writer, c, plan.group_size, method)
                 elif c.action == "keep":
-                    writer.write(c.info.name, reader.tensor(c.info))
+                    _copy_tensor(reader, writer, c.info)
                 if progress:
                     progress(c.info.nbytes, ckpt.nbytes)
     finally:
@@ -119,7 +126,15 @@ def _write_weights(
     writer.write_index(tmp)
 
 
-def _quantize_layer(reader: TensorReader, writer: ShardWriter, c: LayerChoice, group_size: int, method) -> None:
+def _copy_tensor(reader: TensorReader, writer: ShardWriter, info: TensorInfo) -> None:
+    for begin in range(0, info.nbytes, SLICE_BYTES):
+        size = min(SLICE_BYTES, info.nbytes - begin)
+        writer.write(info.name, reader.raw(info, begin, size), begin)
+
+
+def _quantize_layer(
+    reader: TensorReader, writer: ShardWriter, c: LayerChoice, group_size: int, method
+) -> None:
     n, k = c.info.shape
     rows_per_slice = max(1, SLICE_BYTES // (4 * k))
     for start in range(0, n, rows_per_slice):
@@ -157,8 +172,12 @@ def _write_config(ckpt: Checkpoint, plan: Plan, method: str, tmp: Path) -> None:
 def _copy_support_files(source: Path, tmp: Path) -> list[str]:
     copied = []
     for f in sorted(source.iterdir()):
-        if f.is_file() and not f.name.startswith(".") and f.name not in SKIPPED_FILES and not f.name.endswith(WEIGHT_SUFFIXES):
+        if (
+            f.is_file()
+            and not f.name.startswith(".")
+            and f.name not in SKIPPED_FILES
+            and not f.name.endswith(WEIGHT_SUFFIXES)
+        ):
             shutil.copy2(f, tmp / f.name)
             copied.append(f.name)
     return copied
-

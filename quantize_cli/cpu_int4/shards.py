@@ -42,8 +42,18 @@ class _Slot:
 
 def parse_size(text: str) -> int:
     """'5GB', '500MB', '2GiB' or a plain byte count -> bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    units = {
+        "": 1,
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
     number = text.strip().upper().rstrip()
     for unit in sorted(units, key=len, reverse=True):
         if unit and number.endswith(unit):
@@ -83,7 +93,11 @@ class ShardWriter:
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for t in group:
-            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+            header[t.name] = {
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "data_offsets": [offset, offset + t.nbytes],
+            }
             offset += t.nbytes
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)
@@ -118,7 +132,10 @@ class ShardWriter:
     def write_index(self, directory: Path) -> None:
         """The HF index, needed only when there is more than one shard."""
         if len(self.files) > 1:
-            index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(self.weight_map.items()))}
+            index = {
+                "metadata": {"total_size": self.total_size},
+                "weight_map": dict(sorted(self.weight_map.items())),
+            }
             (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 

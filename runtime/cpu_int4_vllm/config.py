@@ -38,7 +38,9 @@ class CpuInt4Config(QuantizationConfig):
         self.direct_dequant: bool = settings["direct_dequant"]
         self.use_custom_op: bool = settings["use_custom_op"]
         # prefill_dequant off sends every batch to the kernel (unsafe on AMX hosts, DESIGN §2).
-        self.dequant_threshold: int = settings["dequant_threshold"] if settings["prefill_dequant"] else 2**31 - 1
+        self.dequant_threshold: int = (
+            settings["dequant_threshold"] if settings["prefill_dequant"] else 2**31 - 1
+        )
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in self.settings.items())
@@ -78,5 +80,9 @@ class CpuInt4Config(QuantizationConfig):
         if isinstance(layer, VocabParallelEmbedding):
             # A head is quantized unless ignored; a tied head becomes the table anyway.
             wanted = isinstance(layer, ParallelLMHead) or self.quantize_embedding
-            return CpuInt4EmbeddingMethod(self) if wanted and not self.is_skipped(prefix) else UnquantizedEmbeddingMethod()
+            return (
+                CpuInt4EmbeddingMethod(self)
+                if wanted and not self.is_skipped(prefix)
+                else UnquantizedEmbeddingMethod()
+            )
         return None

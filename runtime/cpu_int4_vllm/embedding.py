@@ -31,13 +31,18 @@ class CpuInt4EmbeddingMethod(QuantizeMethodBase):
         **extra_weight_attrs,
     ) -> None:
         create_int4_weights(
-            layer, self.config, input_size_per_partition, sum(output_partition_sizes),
+            layer,
+            self.config,
+            input_size_per_partition,
+            sum(output_partition_sizes),
             extra_weight_attrs["weight_loader"],
         )
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         # An untied head never looks rows up: it drops the row-major tensors like a linear.
-        build_kernel_weights(layer, self.config, keep_rowmajor_for_lookup=not isinstance(layer, ParallelLMHead))
+        build_kernel_weights(
+            layer, self.config, keep_rowmajor_for_lookup=not isinstance(layer, ParallelLMHead)
+        )
 
     def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module) -> torch.nn.Module:
         # The tied head *is* the table module: every tensor shared, none copied.
@@ -45,7 +50,9 @@ class CpuInt4EmbeddingMethod(QuantizeMethodBase):
             raise ValueError("cpu_int4: a tied lm_head must be quantized like the embedding table")
         return embed_tokens
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return apply_int4(layer, self.config, x, bias)
 
     def embedding(self, layer: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -54,9 +54,7 @@ def _group_view(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     return weight.reshape(n, k // group_size, group_size)
 
 
-def quantize_minmax(
-    weight: torch.Tensor, group_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_minmax(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Min/max group-wise 4-bit quantization (DESIGN §1.1).
 
     Returns (packed uint8 [N, K/2], scale bf16 [N, K/g], zero bf16 [N, K/g]). The math runs in
@@ -159,9 +157,13 @@ def parse_config(raw: object) -> tuple[dict, list[str]]:
             raise ValueError(f"quantization_config.{key} must be {kind.__name__}, got {value!r}")
         settings[key] = value
     if settings["quant_method"] != QUANT_METHOD:
-        raise ValueError(f"quantization_config.quant_method is {settings['quant_method']!r}, not {QUANT_METHOD!r}")
+        raise ValueError(
+            f"quantization_config.quant_method is {settings['quant_method']!r}, not {QUANT_METHOD!r}"
+        )
     if settings["group_size"] not in GROUP_SIZES:
-        raise ValueError(f"quantization_config.group_size {settings['group_size']} is not one of {list(GROUP_SIZES)}")
+        raise ValueError(
+            f"quantization_config.group_size {settings['group_size']} is not one of {list(GROUP_SIZES)}"
+        )
     if not all(isinstance(name, str) for name in settings["ignore"]):
         raise ValueError("quantization_config.ignore must be a list of module names")
     if settings["dequant_threshold"] < 1:

@@ -36,8 +36,10 @@ def prepare_kernel_weights(
         return kernel_packed, scales_and_zeros, packed
     layout = learn_layout(codes.shape[0])
     if layout is None or not torch.equal(unpack_kernel_codes(kernel_packed, layout, codes.shape[1]), codes):
-        logger.warning("cpu_int4: kernel layout for shape %s not understood; keeping a row-major copy",
-                       tuple(codes.shape))
+        logger.warning(
+            "cpu_int4: kernel layout for shape %s not understood; keeping a row-major copy",
+            tuple(codes.shape),
+        )
         return kernel_packed, scales_and_zeros, packed
     return kernel_packed, scales_and_zeros, None
 

@@ -62,7 +62,7 @@ def pack_for_kernel(codes: torch.Tensor, chunk_rows: int = REPACK_CHUNK_ROWS) ->
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def learn_layout(n: int) -> KernelLayout | None:
     """Read the kernel's layout for N output rows off the kernel itself; None if not understood."""
     nibble_k, nibble_n = _probe(n, _PROBE_K)

@@ -10,20 +10,28 @@ from .format import PACKED_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX, shape_problem
 from .kernels import int4_linear, int4_linear_op, prepare_kernel_weights
 
 
-def create_int4_weights(layer, config, input_size_per_partition: int, output_size_per_partition: int, weight_loader) -> None:
+def create_int4_weights(
+    layer, config, input_size_per_partition: int, output_size_per_partition: int, weight_loader
+) -> None:
     """Register weight_packed / weight_scale / weight_zero as vLLM parameters (sharded by vLLM)."""
     n, k, g = output_size_per_partition, input_size_per_partition, config.group_size
     problem = shape_problem(n, k, g)
     if problem:
         raise ValueError(f"cpu_int4: layer {getattr(layer, 'prefix', '')} cannot be int4 here: {problem}")
     packed = PackedvLLMParameter(
-        data=torch.empty(n, k // 2, dtype=torch.uint8), input_dim=1, output_dim=0,
-        packed_factor=2, packed_dim=1, weight_loader=weight_loader,
+        data=torch.empty(n, k // 2, dtype=torch.uint8),
+        input_dim=1,
+        output_dim=0,
+        packed_factor=2,
+        packed_dim=1,
+        weight_loader=weight_loader,
     )
     layer.register_parameter(PACKED_SUFFIX, packed)
     for name in (SCALE_SUFFIX, ZERO_SUFFIX):
         param = GroupQuantScaleParameter(
-            data=torch.empty(n, k // g, dtype=torch.bfloat16), input_dim=1, output_dim=0,
+            data=torch.empty(n, k // g, dtype=torch.bfloat16),
+            input_dim=1,
+            output_dim=0,
             weight_loader=weight_loader,
         )
         layer.register_parameter(name, param)
@@ -47,8 +55,12 @@ def apply_int4(layer, config, x: torch.Tensor, bias: torch.Tensor | None) -> tor
     """x @ W.T (+ bias) through the custom op (or the plain function when use_custom_op is off)."""
     fn = int4_linear_op if config.use_custom_op else int4_linear
     out = fn(
-        x.to(torch.bfloat16), layer.int4_packed, layer.scales_and_zeros,
-        config.group_size, config.dequant_threshold, layer.int4_rowmajor,
+        x.to(torch.bfloat16),
+        layer.int4_packed,
+        layer.scales_and_zeros,
+        config.group_size,
+        config.dequant_threshold,
+        layer.int4_rowmajor,
     )
     return out if bias is None else out + bias
 
@@ -71,12 +83,17 @@ class CpuInt4LinearMethod(LinearMethodBase):
         **extra_weight_attrs,
     ) -> None:
         create_int4_weights(
-            layer, self.config, input_size_per_partition, sum(output_partition_sizes),
+            layer,
+            self.config,
+            input_size_per_partition,
+            sum(output_partition_sizes),
             extra_weight_attrs["weight_loader"],
         )
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         build_kernel_weights(layer, self.config)
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return apply_int4(layer, self.config, x, bias)

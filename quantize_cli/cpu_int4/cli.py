@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shlex
 import signal
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -12,6 +14,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 from rich.table import Table
 
 from .errors import QuantizeError
+from .hub import push
 from .quantize import Summary, quantize
 
 app = typer.Typer(
@@ -52,8 +55,15 @@ def quantize_cmd(
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB or 500MB.")] = "5GB",
     overwrite: Annotated[bool, typer.Option(help="Replace OUT if it exists.")] = False,
     dry_run: Annotated[bool, typer.Option(help="Print the plan and write nothing.")] = False,
+    revision: Annotated[
+        str | None, typer.Option(help="Branch, tag or commit when MODEL is a Hub id.")
+    ] = None,
+    push_to_hub: Annotated[
+        str | None, typer.Option(help="Upload OUT to this Hub repo (org/name) when done.")
+    ] = None,
+    private: Annotated[bool, typer.Option(help="Create the Hub repo as private.")] = False,
 ) -> None:
-    """Quantize MODEL into OUT (min/max group-wise 4-bit, bf16 scales and zeros)."""
+    """Quantize MODEL (local folder or Hub id) into OUT: min/max group-wise 4-bit, bf16 scale/zero."""
     signal.signal(signal.SIGTERM, _terminate)
     with Progress(
         "[progress.description]{task.description}",
@@ -75,12 +85,37 @@ def quantize_cmd(
                 max_shard_size=max_shard_size,
                 overwrite=overwrite,
                 dry_run=dry_run,
+                revision=revision,
+                push_to_hub=push_to_hub,
+                private=private,
+                command=_command_line(),
                 progress=lambda done, total: bar.update(task, advance=done, total=total),
             )
         except QuantizeError as err:
             bar.stop()
             _fail(str(err))
     print_summary(summary)
+
+
+@app.command("push")
+def push_cmd(
+    out: Annotated[Path, typer.Argument(help="A folder written by `cpu-int4 quantize`.")],
+    repo_id: Annotated[str, typer.Argument(help="Hub repo to create or update, org/name.")],
+    private: Annotated[bool, typer.Option(help="Create the repo as private.")] = False,
+    revision: Annotated[str | None, typer.Option(help="Branch to push to (created if needed).")] = None,
+    commit_message: Annotated[str | None, typer.Option(help="Message of the single commit.")] = None,
+) -> None:
+    """Upload OUT to the Hugging Face Hub in one commit (its README.md is the model card)."""
+    try:
+        url = push(out, repo_id, private=private, revision=revision, commit_message=commit_message)
+    except QuantizeError as err:
+        _fail(str(err))
+    Console().print(f"pushed {out} to {url}")
+
+
+def _command_line() -> str:
+    """The command as the user typed it, for the model card."""
+    return shlex.join(["cpu-int4", *sys.argv[1:]])
 
 
 def print_summary(summary: Summary) -> None:
@@ -109,6 +144,8 @@ def print_summary(summary: Summary) -> None:
     if not summary.dry_run:
         out.print(f"  copied {', '.join(summary.copied_files) or 'no other files'}")
         out.print(f"  took {summary.seconds:.1f} s")
+    if summary.url:
+        out.print(f"  pushed to {summary.url}")
 
 
 def _gb(nbytes: int) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from cpu_int4_vllm.format import CONFIG_DEFAULTS, PACKED_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX
 
+from .card import write_card
 from .checkpoint import (
     INDEX_NAME,
     WEIGHT_SUFFIXES,
@@ -22,6 +23,7 @@ from .checkpoint import (
     resolve_model,
 )
 from .errors import QuantizeError
+from .hub import download, looks_like_hub_id, push
 from .methods import METHODS
 from .outdir import OutputDir
 from .plan import LayerChoice, Plan, make_plan
@@ -46,8 +48,10 @@ class Summary:
     input_bytes: int
     output_bytes: int
     total_params: int
+    method: str = "minmax"
     seconds: float = 0.0
     dry_run: bool = False
+    url: str | None = None  # the Hub repo, when pushed
     copied_files: list[str] = field(default_factory=list)
 
     @property
@@ -65,9 +69,14 @@ def quantize(
     max_shard_size: str = "5GB",
     overwrite: bool = False,
     dry_run: bool = False,
+    revision: str | None = None,
+    push_to_hub: str | None = None,
+    private: bool = False,
+    command: str | None = None,
     progress: Progress | None = None,
 ) -> Summary:
-    """Quantize the checkpoint MODEL into OUT in the cpu_int4 format; returns a summary."""
+    """Quantize the checkpoint MODEL (a local folder or a Hub id) into OUT in the cpu_int4 format,
+    write its model card, and push it to the Hub when asked; returns a summary."""
     start = time.perf_counter()
     if method not in METHODS:
         raise QuantizeError(f"unknown method {method!r}; use one of {sorted(METHODS)}")
@@ -75,12 +84,13 @@ def quantize(
         shard_bytes = parse_size(max_shard_size)
     except ValueError as err:
         raise QuantizeError(f"--max-shard-size: {err}") from err
-    source = resolve_model(model)
+    base_model = model if looks_like_hub_id(model) else None
+    source = download(model, revision) if base_model else resolve_model(model)
     out_dir = OutputDir(Path(out), source, overwrite)
     ckpt = open_checkpoint(source)
     plan = make_plan(ckpt, group_size, ignore, quantize_embedding)
     summary = Summary(
-        source, out_dir.path, plan, ckpt.nbytes, plan.output_bytes(), ckpt.params, dry_run=dry_run
+        source, out_dir.path, plan, ckpt.nbytes, plan.output_bytes(), ckpt.params, method, dry_run=dry_run
     )
     if dry_run:
         return summary
@@ -88,7 +98,10 @@ def quantize(
         _write_weights(ckpt, plan, tmp, shard_bytes, METHODS[method], progress)
         _write_config(ckpt, plan, method, tmp)
         summary.copied_files = _copy_support_files(source, tmp)
+        write_card(tmp, summary, base_model, command or f"cpu-int4 quantize {model} {out}", push_to_hub)
     summary.seconds = time.perf_counter() - start
+    if push_to_hub:
+        summary.url = push(out_dir.path, push_to_hub, private=private)
     return summary
 
 

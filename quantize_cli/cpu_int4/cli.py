@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import shlex
 import signal
 import sys
@@ -10,9 +12,17 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
 
+from .card import add_quality_to_card, verdict
 from .errors import QuantizeError
 from .hub import push
 from .quantize import Summary, quantize
@@ -26,6 +36,21 @@ console = Console(stderr=True)
 @app.callback()
 def main() -> None:
     """cpu-int4: 4-bit group-wise (W4A16) checkpoints that vLLM serves on the CPU."""
+
+
+@contextlib.contextmanager
+def _progress_bar(description: str, bytes_: bool = True):
+    """A transient Rich bar on stderr: over bytes (quantize) or positions (eval)."""
+    columns = [DownloadColumn(), TransferSpeedColumn()] if bytes_ else [MofNCompleteColumn()]
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        *columns,
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        yield bar, bar.add_task(description, total=None)
 
 
 def _fail(message: str) -> None:
@@ -55,6 +80,9 @@ def quantize_cmd(
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB or 500MB.")] = "5GB",
     overwrite: Annotated[bool, typer.Option(help="Replace OUT if it exists.")] = False,
     dry_run: Annotated[bool, typer.Option(help="Print the plan and write nothing.")] = False,
+    method: Annotated[
+        str, typer.Option(help="minmax (fast, reproduces each group's extremes) or search (lower error).")
+    ] = "minmax",
     revision: Annotated[
         str | None, typer.Option(help="Branch, tag or commit when MODEL is a Hub id.")
     ] = None,
@@ -65,16 +93,7 @@ def quantize_cmd(
 ) -> None:
     """Quantize MODEL (local folder or Hub id) into OUT: min/max group-wise 4-bit, bf16 scale/zero."""
     signal.signal(signal.SIGTERM, _terminate)
-    with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-    ) as bar:
-        task = bar.add_task("quantizing", total=None)
+    with _progress_bar("quantizing") as (bar, task):
         try:
             summary = quantize(
                 model,
@@ -85,6 +104,7 @@ def quantize_cmd(
                 max_shard_size=max_shard_size,
                 overwrite=overwrite,
                 dry_run=dry_run,
+                method=method,
                 revision=revision,
                 push_to_hub=push_to_hub,
                 private=private,
@@ -111,6 +131,63 @@ def push_cmd(
     except QuantizeError as err:
         _fail(str(err))
     Console().print(f"pushed {out} to {url}")
+
+
+@app.command("eval")
+def eval_cmd(
+    base: Annotated[Path, typer.Argument(help="The original checkpoint.")],
+    quant: Annotated[Path, typer.Argument(help="Its cpu_int4 output.")],
+    text: Annotated[Path, typer.Option(help="UTF-8 text to score, e.g. WikiText-2's wiki.test.raw.")],
+    context: Annotated[int, typer.Option(help="Tokens per window (stride = context).")] = 1024,
+    max_tokens: Annotated[int | None, typer.Option(help="Score at most this many tokens.")] = None,
+    engine: Annotated[
+        str, typer.Option(help="torch (reference) or vllm (served) for the quantized side.")
+    ] = "torch",
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Also write the figures as JSON here.")
+    ] = None,
+    card: Annotated[bool, typer.Option(help="Add the figures to QUANT's model card (README.md).")] = False,
+) -> None:
+    """Perplexity, KL divergence and top-k agreement of QUANT against BASE on a text."""
+    from .evaluate import evaluate
+
+    for path, what in ((base, "BASE"), (quant, "QUANT"), (text, "--text")):
+        if not path.exists():
+            _fail(f"{what} {path} does not exist")
+    if engine not in ("torch", "vllm"):
+        _fail(f"--engine must be torch or vllm, not {engine!r}")
+    with _progress_bar("scoring", bytes_=False) as (bar, task):
+        result = evaluate(
+            base,
+            quant,
+            text,
+            context=context,
+            max_tokens=max_tokens,
+            engine=engine,
+            progress=lambda done, total: bar.update(task, advance=done, total=total),
+        )
+    print_eval(result)
+    if json_out:
+        json_out.write_text(json.dumps(result.as_dict(), indent=2) + "\n")
+    if card:
+        add_quality_to_card(quant, result, text)
+
+
+def print_eval(result) -> None:
+    """The eval table and a one-line verdict."""
+    table = Table("metric", "value", box=None, padding=(0, 2))
+    table.add_row("positions scored", f"{result.positions}")
+    table.add_row("PPL base", f"{result.ppl_base:.3f}")
+    table.add_row("PPL quantized", f"{result.ppl_quant:.3f}")
+    table.add_row("ΔPPL", f"{result.delta_ppl:+.3f} ({result.delta_ppl / result.ppl_base:+.1%})")
+    table.add_row(
+        "mean KLD (base ‖ quant)", "n/a (vllm engine)" if result.kld is None else f"{result.kld:.4f}"
+    )
+    table.add_row("top-1 agreement", f"{result.top1_agreement:.2%}")
+    table.add_row("base top-1 in quant top-5", f"{result.top5_containment:.2%}")
+    out = Console()
+    out.print(table)
+    out.print(verdict(result))
 
 
 def _command_line() -> str:

@@ -17,10 +17,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
 
-from smollm2 import build_demo_model  # noqa: E402
-
 from cpu_int4.evaluate import evaluate  # noqa: E402
 from cpu_int4.quantize import quantize  # noqa: E402
+from smollm2 import build_demo_model  # noqa: E402
 
 WIKI = REPO.parent / "shared" / "data" / "wiki.test.raw"
 
@@ -44,7 +43,9 @@ def main() -> None:
                 r = evaluate(base, out, WIKI, context=args.context, max_tokens=args.max_tokens)
                 rows.append((g, method, r, seconds))
                 print(f"done g={g} {method}", file=sys.stderr, flush=True)
-    print(f"\nSmolLM2-135M-Instruct, {rows[0][2].positions} positions of wiki.test.raw, context {args.context}")
+    print(
+        f"\nSmolLM2-135M-Instruct, {rows[0][2].positions} positions of wiki.test.raw, context {args.context}"
+    )
     print(f"bf16 PPL {rows[0][2].ppl_base:.3f}\n")
     print("| group | method | PPL | ΔPPL vs bf16 | mean KLD | top-1 agreement | quantize time |")
     print("|---|---|---|---|---|---|---|")

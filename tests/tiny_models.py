@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 def tiny_llama(path: Path, dtype=torch.bfloat16, intermediate_size=128, max_shard_size=None, **kw) -> Path:
     """Llama with tied embeddings (like SmolLM2): hidden 64, 2 layers, vocab 256."""
-    config = LlamaConfig(
+    settings = dict(
         hidden_size=64,
         intermediate_size=intermediate_size,
         num_hidden_layers=2,
@@ -18,8 +18,8 @@ def tiny_llama(path: Path, dtype=torch.bfloat16, intermediate_size=128, max_shar
         num_key_value_heads=2,
         vocab_size=256,
         tie_word_embeddings=True,
-        **kw,
     )
+    config = LlamaConfig(**{**settings, **kw})
     return _save(config, path, dtype, max_shard_size)
 
 

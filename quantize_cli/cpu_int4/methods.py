@@ -11,7 +11,7 @@ from cpu_int4_vllm.format import MAX_CODE, ZERO_CODE, encode, quantize_minmax, r
 
 # Range stretches tried by `search`: the code grid spans (15 + t) steps over the group's range,
 # the range search behind llama.cpp's K-quants (make_qkx2_quants).
-SEARCH_STRETCHES = torch.linspace(-1.0, 1.5, 11).tolist()
+SEARCH_STRETCHES = torch.linspace(-1.0, 1.5, 6).tolist()
 
 
 def importance(groups: torch.Tensor) -> torch.Tensor:
@@ -23,37 +23,57 @@ def importance(groups: torch.Tensor) -> torch.Tensor:
 def weighted_error(
     groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, imp: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Importance-weighted squared error per group [N, G] of the stored (bf16) grid."""
+    """Importance-weighted squared error per group [N, G] of the stored (bf16) grid.
+
+    Measured in units of each group's largest |w|, so groups near the fp32 limits (1e30, 1e-30)
+    neither overflow nor underflow; the ranking of grids within a group is unchanged by it.
+    `imp`, when given, is importance() of those normalized groups.
+    """
     scale = scale.to(torch.bfloat16).float()
     zero = zero.to(torch.bfloat16).float()
-    codes = round_to_codes(groups, scale, zero).float()
-    deq = (codes - ZERO_CODE) * scale[..., None] + zero[..., None]
-    imp = importance(groups) if imp is None else imp
-    return (imp * (deq - groups).pow(2)).sum(dim=-1)
+    norm = _group_norm(groups)[..., None]
+    codes = round_to_codes(groups, scale, zero)
+    diff = torch.addcmul((zero - ZERO_CODE * scale)[..., None], codes, scale[..., None]).sub_(groups)
+    diff.div_(norm)
+    imp = importance(groups / norm) if imp is None else imp
+    return torch.linalg.vecdot(imp, diff.mul_(diff))
+
+
+def _group_norm(groups: torch.Tensor) -> torch.Tensor:
+    return groups.abs().amax(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
 
 
 def quantize_search(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per group, the scale and offset with the least importance-weighted squared error.
 
-    Tries stretched code grids over the group's range, refits scale and offset to each grid's
-    codes by weighted least squares, and keeps the best, min/max included, so the error is never
-    above min/max's (errors are compared after bf16 rounding, as stored).
+    Tries stretched code grids over the group's range and refits scale and offset to each grid's
+    codes by weighted least squares (ranked by their fit residual, which costs no extra pass),
+    refits the winner once more to its own rounded codes, and keeps whichever of min/max, winner
+    and refit has the least error after bf16 rounding, as stored: never worse than min/max.
     """
     n, k = weight.shape
     groups = weight.float().reshape(n, k // group_size, group_size)
-    imp = importance(groups)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    span = (high - low).clamp_min(torch.finfo(torch.float32).tiny)
+    # Fits run on groups scaled to max |w| = 1: sums of w^2 stay inside fp32 at any magnitude.
+    norm = _group_norm(groups)
+    unit = groups / norm[..., None]
+    imp = importance(unit)
+    unit_low = unit.amin(dim=-1)
+    unit_span = (unit.amax(dim=-1) - unit_low).clamp_min(torch.finfo(torch.float32).tiny)
+    sums = _WeightedSums(unit, imp)
+    fit_scale, fit_zero, fit_residual = None, None, torch.full_like(low, float("inf"))
+    for stretch in SEARCH_STRETCHES:
+        scale, zero, residual = sums.fit(_stretched_codes(unit, unit_low, unit_span, stretch))
+        better = residual < fit_residual
+        fit_scale = scale if fit_scale is None else torch.where(better, scale, fit_scale)
+        fit_zero = zero if fit_zero is None else torch.where(better, zero, fit_zero)
+        fit_residual = torch.where(better, residual, fit_residual)
+    fit_scale, fit_zero = fit_scale * norm, fit_zero * norm
     best_scale = (high / MAX_CODE - low / MAX_CODE).clamp_min(torch.finfo(torch.float32).tiny)
     best_zero = low + ZERO_CODE * best_scale
     best_err = weighted_error(groups, best_scale, best_zero, imp)
-    sum_w = imp.sum(dim=-1)
-    sum_x = (imp * groups).sum(dim=-1)
-    for stretch in SEARCH_STRETCHES:
-        inv_step = (MAX_CODE + stretch) / span
-        codes = ((groups - low[..., None]) * inv_step[..., None]).round_().clamp_(0, MAX_CODE)
-        scale, offset = _least_squares(groups, imp, codes, sum_w, sum_x)
-        zero = offset + ZERO_CODE * scale
+    refit_scale, refit_zero, _ = sums.fit(_stored_codes(groups, fit_scale, fit_zero))
+    for scale, zero in ((fit_scale, fit_zero), (refit_scale * norm, refit_zero * norm)):
         valid = torch.isfinite(scale) & torch.isfinite(zero) & (scale > 0)
         scale, zero = torch.where(valid, scale, best_scale), torch.where(valid, zero, best_zero)
         err = weighted_error(groups, scale, zero, imp)
@@ -64,16 +84,42 @@ def quantize_search(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor
     return encode(weight, best_scale, best_zero, group_size)
 
 
-def _least_squares(groups, imp, codes, sum_w, sum_x) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted fit of groups ~ scale * codes + offset, per group, in closed form."""
-    wl = imp * codes
-    sum_l = wl.sum(dim=-1)
-    sum_l2 = (wl * codes).sum(dim=-1)
-    sum_xl = (wl * groups).sum(dim=-1)
-    det = sum_w * sum_l2 - sum_l * sum_l
-    scale = (sum_w * sum_xl - sum_x * sum_l) / det
-    offset = (sum_l2 * sum_x - sum_l * sum_xl) / det
-    return scale, offset
+class _WeightedSums:
+    """Weighted least squares of groups ~ scale * (codes - 8) + zero, per group, in closed form."""
+
+    def __init__(self, groups: torch.Tensor, imp: torch.Tensor):
+        self.groups, self.imp = groups, imp
+        self.sum_w = imp.sum(dim=-1)
+        self.sum_x = torch.linalg.vecdot(imp, groups)
+        self.sum_x2 = torch.linalg.vecdot(imp, groups * groups)
+
+    def fit(self, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(scale, zero, residual) of the best fit to these codes 0..15."""
+        wl = self.imp * codes
+        sum_l = wl.sum(dim=-1)
+        sum_l2 = torch.linalg.vecdot(wl, codes)
+        sum_xl = torch.linalg.vecdot(wl, self.groups)
+        det = self.sum_w * sum_l2 - sum_l * sum_l
+        scale = (self.sum_w * sum_xl - self.sum_x * sum_l) / det
+        offset = (sum_l2 * self.sum_x - sum_l * sum_xl) / det
+        # At the least-squares optimum the residual is sum(w x^2) - scale*sum(w l x) - offset*sum(w x).
+        residual = torch.nan_to_num(self.sum_x2 - scale * sum_xl - offset * self.sum_x, nan=float("inf"))
+        return scale, offset + ZERO_CODE * scale, residual
+
+
+def _stretched_codes(
+    groups: torch.Tensor, low: torch.Tensor, span: torch.Tensor, stretch: float
+) -> torch.Tensor:
+    """Codes 0..15 of a grid with 15 + stretch steps over the group's range, from its minimum."""
+    inv_step = (MAX_CODE + stretch) / span
+    return (
+        torch.addcmul((-low * inv_step)[..., None], groups, inv_step[..., None]).round_().clamp_(0, MAX_CODE)
+    )
+
+
+def _stored_codes(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 of a grid as it will be stored (bf16 scale and zero)."""
+    return round_to_codes(groups, scale.to(torch.bfloat16).float(), zero.to(torch.bfloat16).float())
 
 
 METHODS = {"minmax": quantize_minmax, "search": quantize_search}

@@ -77,14 +77,16 @@ def encode(
     scale = scale.to(torch.bfloat16)
     zero = zero.to(torch.bfloat16)
     codes = round_to_codes(_group_view(weight.float(), group_size), scale.float(), zero.float())
-    return pack_nibbles(codes.reshape(weight.shape)), scale, zero
+    return pack_nibbles(codes.reshape(weight.shape).to(torch.uint8)), scale, zero
 
 
 def round_to_codes(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """Nearest code 0..15 for each weight of [N, G, g] groups under per-group scale/zero [N, G]."""
-    steps = groups / scale[..., None] - (zero / scale)[..., None]
-    steps = torch.nan_to_num(steps, nan=0.0)  # 0/0 cannot occur with scale >= tiny; inf clamps
-    return (steps.round_() + ZERO_CODE).clamp_(0, MAX_CODE).to(torch.uint8)
+    """Nearest code 0..15 (as float) for each weight of [N, G, g] groups under per-group scale/zero [N, G]."""
+    inv_scale = 1.0 / scale
+    # One fused pass: w / scale + (8 - zero / scale), then round and clamp in place.
+    steps = torch.addcmul((ZERO_CODE - zero * inv_scale)[..., None], groups, inv_scale[..., None])
+    torch.nan_to_num_(steps, nan=ZERO_CODE)  # inf - inf: a huge constant group, whose code is 8
+    return steps.round_().clamp_(0, MAX_CODE)
 
 
 def dequantize(

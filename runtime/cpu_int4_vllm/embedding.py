@@ -35,6 +35,7 @@ class CpuInt4EmbeddingMethod(QuantizeMethodBase):
             self.config,
             input_size_per_partition,
             sum(output_partition_sizes),
+            input_size,
             extra_weight_attrs["weight_loader"],
         )
 

@@ -11,7 +11,12 @@ from .kernels import int4_linear, int4_linear_op, prepare_kernel_weights
 
 
 def create_int4_weights(
-    layer, config, input_size_per_partition: int, output_size_per_partition: int, weight_loader
+    layer,
+    config,
+    input_size_per_partition: int,
+    output_size_per_partition: int,
+    input_size: int,
+    weight_loader,
 ) -> None:
     """Register weight_packed / weight_scale / weight_zero as vLLM parameters (sharded by vLLM)."""
     n, k, g = output_size_per_partition, input_size_per_partition, config.group_size
@@ -24,7 +29,7 @@ def create_int4_weights(
         output_dim=0,
         packed_factor=2,
         packed_dim=1,
-        weight_loader=weight_loader,
+        weight_loader=_checked(layer, PACKED_SUFFIX, weight_loader, torch.uint8, input_size // 2, config),
     )
     layer.register_parameter(PACKED_SUFFIX, packed)
     for name in (SCALE_SUFFIX, ZERO_SUFFIX):
@@ -32,9 +37,32 @@ def create_int4_weights(
             data=torch.empty(n, k // g, dtype=torch.bfloat16),
             input_dim=1,
             output_dim=0,
-            weight_loader=weight_loader,
+            weight_loader=_checked(layer, name, weight_loader, torch.bfloat16, input_size // g, config),
         )
         layer.register_parameter(name, param)
+
+
+def _checked(layer, name: str, loader, dtype: torch.dtype, columns: int, config):
+    """Wrap vLLM's loader so a damaged checkpoint fails naming the tensor, not in an assert or kernel."""
+    where = f"{getattr(layer, 'prefix', '') or 'layer'}.{name}"
+
+    def load(param, loaded_weight: torch.Tensor, *args, **kwargs):
+        if loaded_weight.dtype != dtype:
+            raise ValueError(f"cpu_int4: {where} is {loaded_weight.dtype}, expected {dtype}")
+        if loaded_weight.dim() != 2 or loaded_weight.shape[1] != columns:
+            hint = ""
+            if name != PACKED_SUFFIX:
+                hint = f"; does quantization_config.group_size ({config.group_size}) match the tensors?"
+            raise ValueError(
+                f"cpu_int4: {where} has shape {tuple(loaded_weight.shape)}, expected {columns} columns{hint}"
+            )
+        try:
+            return loader(param, loaded_weight, *args, **kwargs)
+        except AssertionError as err:
+            shapes = f"{tuple(loaded_weight.shape)}, which does not fit {tuple(param.shape)}"
+            raise ValueError(f"cpu_int4: {where} has shape {shapes}") from err
+
+    return load
 
 
 def build_kernel_weights(layer, config, keep_rowmajor_for_lookup: bool = False) -> None:
@@ -87,6 +115,7 @@ class CpuInt4LinearMethod(LinearMethodBase):
             self.config,
             input_size_per_partition,
             sum(output_partition_sizes),
+            input_size,
             extra_weight_attrs["weight_loader"],
         )
 

@@ -34,11 +34,12 @@ def damage_config(folder, **changes):
 CASES = {
     "missing weight_scale": (
         lambda f: damage_tensors(f, lambda t: t.pop(f"{LAYER}.weight_scale")),
-        f"{LAYER.replace('k_proj', 'qkv_proj')}.weight_scale",
+        f"{LAYER.replace('k_proj', 'qkv_proj')}.weight_scale is missing from the checkpoint",
     ),
     "wrong shape": (
         lambda f: damage_tensors(
-            f, lambda t: t.update({f"{LAYER}.weight_packed": t[f"{LAYER}.weight_packed"][:, :200]})
+            f,
+            lambda t: t.update({f"{LAYER}.weight_packed": t[f"{LAYER}.weight_packed"][:, :200].contiguous()}),
         ),
         f"{LAYER.replace('k_proj', 'qkv_proj')}.weight_packed has shape (192, 200), expected 288 columns",
     ),

@@ -23,6 +23,7 @@ def create_int4_weights(
     problem = shape_problem(n, k, g)
     if problem:
         raise ValueError(f"cpu_int4: layer {getattr(layer, 'prefix', '')} cannot be int4 here: {problem}")
+    layer.int4_loaded_shards = {}  # tensor name -> shard ids loaded, to catch a missing tensor
     packed = PackedvLLMParameter(
         data=torch.empty(n, k // 2, dtype=torch.uint8),
         input_dim=1,
@@ -56,6 +57,8 @@ def _checked(layer, name: str, loader, dtype: torch.dtype, columns: int, config)
             raise ValueError(
                 f"cpu_int4: {where} has shape {tuple(loaded_weight.shape)}, expected {columns} columns{hint}"
             )
+        shard = args[0] if args else kwargs.get("loaded_shard_id")
+        layer.int4_loaded_shards.setdefault(name, set()).add(shard)
         try:
             return loader(param, loaded_weight, *args, **kwargs)
         except AssertionError as err:
@@ -65,14 +68,33 @@ def _checked(layer, name: str, loader, dtype: torch.dtype, columns: int, config)
     return load
 
 
+def check_all_loaded(layer) -> None:
+    """Raise naming the tensor if the checkpoint lacked one of this layer's tensors (or shards).
+
+    vLLM counts a fused parameter as loaded once any shard arrived, so a missing
+    `k_proj.weight_scale` would otherwise leave uninitialized memory in the fused qkv layer.
+    """
+    shards = max(1, len(getattr(layer, "output_partition_sizes", [None])))
+    where = getattr(layer, "prefix", "") or "layer"
+    for name in (PACKED_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX):
+        loaded = layer.int4_loaded_shards.get(name, set())
+        if None not in loaded and len(loaded) < shards:
+            got = sorted(map(str, loaded))
+            raise ValueError(
+                f"cpu_int4: {where}.{name} is missing from the checkpoint (shards {got} of {shards})"
+            )
+
+
 def build_kernel_weights(layer, config, keep_rowmajor_for_lookup: bool = False) -> None:
     """Replace the checkpoint tensors by the kernel's; the row-major ones stay only if needed."""
+    check_all_loaded(layer)
     kernel_packed, scales_and_zeros, rowmajor = prepare_kernel_weights(
         layer.weight_packed.data, layer.weight_scale.data, layer.weight_zero.data, config.direct_dequant
     )
     layer.int4_packed = torch.nn.Parameter(kernel_packed, requires_grad=False)
     layer.scales_and_zeros = torch.nn.Parameter(scales_and_zeros, requires_grad=False)
     layer.int4_rowmajor = None if rowmajor is None else torch.nn.Parameter(rowmajor, requires_grad=False)
+    del layer.int4_loaded_shards
     if keep_rowmajor_for_lookup:
         return
     for name in (PACKED_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX):

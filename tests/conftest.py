@@ -10,6 +10,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
+sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from smollm2 import build_demo_model  # noqa: E402

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from cpu_int4.cli import app
 from cpu_int4.evaluate import evaluate, kl_divergence, perplexity
-from cpu_int4.methods import quantize_search, weighted_error
+from cpu_int4.methods import importance, quantize_search, weighted_error
 from cpu_int4.quantize import quantize
 from cpu_int4_vllm.format import quantize_minmax
 from hypothesis import given, settings
@@ -74,16 +74,45 @@ def make_groups(kind: str, seed: int) -> torch.Tensor:
 
 
 @settings(max_examples=60, deadline=None)
-@given(groups_strategy(), st.sampled_from([32, 64]))
-def test_search_error_never_above_minmax(case, g):
+@given(groups_strategy(), st.sampled_from([32, 64]), st.booleans())
+def test_search_error_never_above_minmax(case, g, with_channels):
     w = make_groups(*case)
     groups = w.float().view(w.shape[0], -1, g)
+    channel = (
+        torch.rand(w.shape[1], generator=torch.Generator().manual_seed(case[1])) + 0.1
+        if with_channels
+        else None
+    )
+    imp = importance(groups / groups.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny))
+    if channel is not None:
+        imp = imp * channel.view(1, -1, g)
     _, s_mm, z_mm = quantize_minmax(w, g)
-    _, s_se, z_se = quantize_search(w, g)
-    err_mm = weighted_error(groups, s_mm, z_mm)
-    err_se = weighted_error(groups, s_se, z_se)
+    _, s_se, z_se = quantize_search(w, g, channel)
+    err_mm = weighted_error(groups, s_mm, z_mm, imp)
+    err_se = weighted_error(groups, s_se, z_se, imp)
     assert torch.isfinite(err_se).all()
     assert (err_se <= err_mm).all()
+
+
+def test_search_weighs_input_channels_by_their_norm_gain():
+    from cpu_int4.plan import input_norm
+
+    names = {
+        "model.norm.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+    }
+    assert (
+        input_norm("model.layers.0.self_attn.k_proj", False, names) == "model.layers.0.input_layernorm.weight"
+    )
+    assert (
+        input_norm("model.layers.0.mlp.up_proj", False, names)
+        == "model.layers.0.post_attention_layernorm.weight"
+    )
+    assert input_norm("model.layers.0.mlp.down_proj", False, names) is None
+    assert input_norm("lm_head", False, names) == "model.norm.weight"
+    assert input_norm("model.embed_tokens", True, names) == "model.norm.weight"  # the tied head
+    assert input_norm("model.embed_tokens", False, names) is None
 
 
 def test_search_is_written_into_config_and_card(tmp_path):

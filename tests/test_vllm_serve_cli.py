@@ -1,69 +1,16 @@
-"""`vllm serve OUT` on 127.0.0.1 with no flag and no import: the plugin loads by entry point."""
+"""`vllm serve OUT` on 127.0.0.1 with no flag and no import: the plugin loads by entry point.
+One server for the module: a chat completion, then 64 requests under load."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-import httpx
 import pytest
-
-STARTUP_S = 600
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from load import make_requests, run_load, serve
 
 
 @pytest.fixture(scope="module")
 def server(demo_quantized, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "vllm.log"
-    vllm = Path(sys.executable).parent / "vllm"
-    cmd = [
-        str(vllm),
-        "serve",
-        str(demo_quantized),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--enforce-eager",
-        "--max-model-len",
-        "1024",
-        "--served-model-name",
-        "demo",
-    ]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"vllm serve exited early:\n{log.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(2)
-        else:
-            pytest.fail(f"vllm serve not healthy after {STARTUP_S} s:\n{log.read_text()[-3000:]}")
+    with serve(demo_quantized, tmp_path_factory.mktemp("serve") / "vllm.log", name="demo") as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def test_chat_completion_with_the_openai_client(server):
@@ -79,3 +26,17 @@ def test_chat_completion_with_the_openai_client(server):
     text = reply.choices[0].message.content
     assert "Paris" in text
     assert reply.usage.completion_tokens > 0
+
+
+def test_64_requests_at_concurrency_16(server, demo_model):
+    requests = make_requests(demo_model, 64)
+    assert sum(r["stream"] for r in requests) == 32
+    result = run_load(server, "demo", requests, concurrency=16)
+    print(
+        f"\nunder load: {result.completed}/64 completed, {len(result.errors)} errors, "
+        f"{result.same_first_16}/64 same first 16 tokens as alone, {result.seconds:.0f} s"
+    )
+    assert result.errors == []
+    assert result.completed == 64
+    assert result.healthy_after
+    assert result.same_first_16 >= 0.9 * 64

@@ -43,13 +43,16 @@ def _group_norm(groups: torch.Tensor) -> torch.Tensor:
     return groups.abs().amax(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)
 
 
-def quantize_search(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_search(
+    weight: torch.Tensor, group_size: int, channel_importance: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per group, the scale and offset with the least importance-weighted squared error.
 
     Tries stretched code grids over the group's range and refits scale and offset to each grid's
     codes by weighted least squares (ranked by their fit residual, which costs no extra pass),
     refits the winner once more to its own rounded codes, and keeps whichever of min/max, winner
     and refit has the least error after bf16 rounding, as stored: never worse than min/max.
+    `channel_importance` [K], when known, weighs each input channel (see plan.input_norm).
     """
     n, k = weight.shape
     groups = weight.float().reshape(n, k // group_size, group_size)
@@ -58,6 +61,8 @@ def quantize_search(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor
     norm = _group_norm(groups)
     unit = groups / norm[..., None]
     imp = importance(unit)
+    if channel_importance is not None:
+        imp = imp * channel_importance.float().reshape(1, k // group_size, group_size)
     unit_low = unit.amin(dim=-1)
     unit_span = (unit.amax(dim=-1) - unit_low).clamp_min(torch.finfo(torch.float32).tiny)
     sums = _WeightedSums(unit, imp)
@@ -122,4 +127,8 @@ def _stored_codes(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor)
     return round_to_codes(groups, scale.to(torch.bfloat16).float(), zero.to(torch.bfloat16).float())
 
 
-METHODS = {"minmax": quantize_minmax, "search": quantize_search}
+def _minmax(weight: torch.Tensor, group_size: int, channel_importance: torch.Tensor | None = None):
+    return quantize_minmax(weight, group_size)  # the extremes alone decide: no weighting
+
+
+METHODS = {"minmax": _minmax, "search": quantize_search}

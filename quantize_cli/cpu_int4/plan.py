@@ -176,3 +176,27 @@ def _keep_fused_siblings_together(choices: list[LayerChoice]) -> list[LayerChoic
                     c = LayerChoice(c.info, "keep", f"fused in vLLM with {parent}.{kept[0]}, which is kept")
         result.append(c)
     return result
+
+
+# The RMSNorm whose output each layer reads (Llama-family names). Its weight tells, with no
+# calibration data, how much each input channel is amplified: a data-free importance for search.
+_INPUT_NORMS = (
+    (re.compile(r"^(.*)\.self_attn\.[qkv]_proj$"), r"\1.input_layernorm.weight"),
+    (re.compile(r"^(.*)\.mlp\.(gate|up)_proj$"), r"\1.post_attention_layernorm.weight"),
+)
+# Norms computed as x * (1 + weight) rather than x * weight.
+_OFFSET_NORM_MODELS = {"gemma", "gemma2", "gemma3", "gemma3_text"}
+
+
+def input_norm(module: str, tied: bool, names: set[str]) -> str | None:
+    """Name of the norm weight that scales this layer's input, if the checkpoint has one."""
+    if module == "lm_head" or (tied and _role(module) == "embedding"):
+        candidate = "model.norm.weight"  # the head reads the final norm's output
+    else:
+        candidate = next((rx.sub(rep, module) for rx, rep in _INPUT_NORMS if rx.match(module)), None)
+    return candidate if candidate in names else None
+
+
+def norm_offset(config: dict) -> float:
+    """1.0 for models whose norms scale by (1 + weight), else 0.0."""
+    return 1.0 if config.get("model_type") in _OFFSET_NORM_MODELS else 0.0

@@ -26,7 +26,7 @@ from .errors import QuantizeError
 from .hub import download, looks_like_hub_id, push
 from .methods import METHODS
 from .outdir import OutputDir
-from .plan import LayerChoice, Plan, make_plan
+from .plan import LayerChoice, Plan, input_norm, make_plan, norm_offset
 from .shards import OutputTensor, ShardWriter, parse_size
 
 # Rows are quantized in slices of about this many fp32 bytes, so memory does not grow with
@@ -125,11 +125,17 @@ def _write_weights(
     ckpt: Checkpoint, plan: Plan, tmp: Path, shard_bytes: int, method, progress: Progress | None
 ) -> None:
     writer = ShardWriter(tmp, _outputs(plan), shard_bytes)
+    by_name = {t.name: t for t in ckpt.tensors}
+    offset = norm_offset(ckpt.config)
     try:
         with TensorReader() as reader:
             for c in plan.choices:
                 if c.action == "quantize":
-                    _quantize_layer(reader, writer, c, plan.group_size, method)
+                    norm = input_norm(c.module, plan.tied, set(by_name))
+                    # An input channel's importance is its squared RMSNorm gain.
+                    gain = None if norm is None else reader.rows(by_name[norm], 0, by_name[norm].shape[0])
+                    channel = None if gain is None else (gain.float() + offset) ** 2
+                    _quantize_layer(reader, writer, c, plan.group_size, method, channel)
                 elif c.action == "keep":
                     _copy_tensor(reader, writer, c.info)
                 if progress:
@@ -146,7 +152,12 @@ def _copy_tensor(reader: TensorReader, writer: ShardWriter, info: TensorInfo) ->
 
 
 def _quantize_layer(
-    reader: TensorReader, writer: ShardWriter, c: LayerChoice, group_size: int, method
+    reader: TensorReader,
+    writer: ShardWriter,
+    c: LayerChoice,
+    group_size: int,
+    method,
+    channel_importance: torch.Tensor | None,
 ) -> None:
     n, k = c.info.shape
     rows_per_slice = max(1, SLICE_BYTES // (4 * k))
@@ -154,7 +165,7 @@ def _quantize_layer(
         rows = reader.rows(c.info, start, min(n, start + rows_per_slice))
         if not torch.isfinite(rows).all():
             raise QuantizeError(f"tensor {c.info.name} contains NaN or Inf; refusing to quantize it")
-        packed, scale, zero = method(rows, group_size)
+        packed, scale, zero = method(rows, group_size, channel_importance)
         writer.write(f"{c.module}.{PACKED_SUFFIX}", packed, start * (k // 2))
         writer.write(f"{c.module}.{SCALE_SUFFIX}", scale, start * (k // group_size) * 2)
         writer.write(f"{c.module}.{ZERO_SUFFIX}", zero, start * (k // group_size) * 2)

@@ -11,8 +11,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from .format import dequantize, dequantize_codes, unpack_nibbles
-from .layout import learn_layout, pack_for_kernel, unpack_kernel_codes
+from .format import ZERO_CODE, dequantize, unpack_nibbles
+from .layout import learn_layout, pack_for_kernel, unpack_kernel_codes, unpack_kernel_codes_t
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,23 @@ def prepare_kernel_weights(
     return kernel_packed, scales_and_zeros, None
 
 
+def dequantize_kernel_weight_t(
+    packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """bf16 W^T [K, N], columns in the layout's storage order, read from the kernel's own tensor.
+
+    Same fp32 formula as format.dequantize_codes, so the values are bit-identical; the [K, N]
+    orientation needs no gather of the N*K codes (the GEMM's output columns are reordered).
+    """
+    layout = learn_layout(scales_and_zeros.shape[1])
+    groups = scales_and_zeros.shape[0]
+    k = groups * group_size
+    codes = unpack_kernel_codes_t(packed, layout, k).view(groups, group_size, layout.n)
+    sz = scales_and_zeros.index_select(1, layout.order).float()  # [K/g, N, 2], storage order
+    weight = codes.float().sub_(ZERO_CODE).mul_(sz[:, None, :, 0]).add_(sz[:, None, :, 1])
+    return weight.view(k, layout.n).to(torch.bfloat16)
+
+
 def dequantize_kernel_weight(
     packed: torch.Tensor,
     scales_and_zeros: torch.Tensor,
@@ -55,10 +72,8 @@ def dequantize_kernel_weight(
     zero = scales_and_zeros[..., 1].t()
     if rowmajor is not None:
         return dequantize(rowmajor, scale, zero, group_size)
-    n = scales_and_zeros.shape[1]
-    k = scales_and_zeros.shape[0] * group_size
-    codes = unpack_kernel_codes(packed, learn_layout(n), k)
-    return dequantize_codes(codes, scale, zero, group_size)
+    slot_of_row = learn_layout(scales_and_zeros.shape[1]).slot_of_row
+    return dequantize_kernel_weight_t(packed, scales_and_zeros, group_size).index_select(1, slot_of_row).t()
 
 
 def int4_linear(
@@ -76,11 +91,15 @@ def int4_linear(
     by vLLM's CPU attention died with SIGILL (DESIGN §2).
     """
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] >= dequant_threshold:
+    n = scales_and_zeros.shape[1]
+    if rows.shape[0] < dequant_threshold:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_and_zeros)
+    elif rowmajor is not None:
         out = F.linear(rows, dequantize_kernel_weight(packed, scales_and_zeros, group_size, rowmajor))
     else:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_and_zeros)
-    return out.reshape(*x.shape[:-1], scales_and_zeros.shape[1])
+        out_slots = rows @ dequantize_kernel_weight_t(packed, scales_and_zeros, group_size)
+        out = out_slots.index_select(1, learn_layout(n).slot_of_row)
+    return out.reshape(*x.shape[:-1], n)
 
 
 @torch.library.custom_op("cpu_int4::linear", mutates_args=())

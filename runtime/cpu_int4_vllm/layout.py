@@ -129,17 +129,27 @@ def _describe(nibble_k: torch.Tensor, nibble_n: torch.Tensor, n: int, k: int) ->
     return KernelLayout(n, tuple(segments), order_t, torch.argsort(order_t))
 
 
-def unpack_kernel_codes(packed: torch.Tensor, layout: KernelLayout, k: int) -> torch.Tensor:
-    """Read uint8 codes [N, K] straight out of the kernel's packed tensor."""
+def unpack_kernel_codes_t(packed: torch.Tensor, layout: KernelLayout, k: int) -> torch.Tensor:
+    """Codes as uint8 [K, N] with columns in storage-slot order: the layout's natural transpose.
+
+    Each block `[K][rows/2 bytes]` becomes `[K][rows]` (low nibbles, then high) with no gather,
+    so a GEMM can use it as is and reorder its output columns instead (`slot_of_row`).
+    """
     flat = packed.reshape(-1)
-    parts = []
+    out = torch.empty(k, layout.n, dtype=torch.uint8)
     offset = 0
     for seg in layout.segments:
+        half = seg.block_rows // 2
+        blocks = seg.rows // seg.block_rows
         size = seg.rows * k // 2
-        blocks = flat[offset : offset + size].view(seg.rows // seg.block_rows, k, seg.block_rows // 2)
-        # [blocks, K, rows/2] -> low and high nibbles -> [blocks, 2, rows/2, K] = storage slots x K
-        slots = torch.stack((blocks & 0x0F, blocks >> 4), dim=1).transpose(2, 3)
-        parts.append(slots.reshape(seg.rows, k))
+        src = flat[offset : offset + size].view(blocks, k, half).transpose(0, 1)  # [K, blocks, half]
+        dst = out[:, seg.row_start : seg.row_start + seg.rows].view(k, blocks, 2, half)
+        torch.bitwise_and(src, 0x0F, out=dst[:, :, 0])
+        torch.bitwise_right_shift(src, 4, out=dst[:, :, 1])
         offset += size
-    codes = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return codes.index_select(0, layout.slot_of_row)
+    return out
+
+
+def unpack_kernel_codes(packed: torch.Tensor, layout: KernelLayout, k: int) -> torch.Tensor:
+    """Read uint8 codes [N, K] in channel order straight out of the kernel's packed tensor."""
+    return unpack_kernel_codes_t(packed, layout, k).index_select(1, layout.slot_of_row).t().contiguous()

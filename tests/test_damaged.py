@@ -76,12 +76,41 @@ def test_damaged_checkpoint_fails_at_load_naming_the_problem(case, demo_quantize
     assert "SIGILL" not in output and "Segmentation fault" not in output
 
 
-def test_the_undamaged_copy_loads(demo_quantized, tmp_path):
-    """The control: the same harness on an intact copy serves."""
+REPORT = """
+from cpu_int4_vllm.report import int4_memory_report
+print("INT4-MODULES", sorted(llm.apply_model(int4_memory_report)[0]["modules"]))
+"""
+
+
+def test_the_control_loads_with_ignored_layers_and_unknown_keys(demo_model, tmp_path):
+    """The same harness on an intact checkpoint serves; `ignore`d layers run unquantized, and an
+    unknown config key is ignored with a warning."""
+    from cpu_int4.quantize import quantize
+
     folder = tmp_path / "intact"
-    shutil.copytree(demo_quantized, folder)
+    quantize(str(demo_model), folder, ignore=["model.layers.0.mlp.down_proj", "re:layers\\.1\\.self_attn"])
+    damage_config(folder, colour="blue")
     proc = subprocess.run(
-        [sys.executable, "-c", LOAD.format(path=str(folder))], capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", LOAD.format(path=str(folder)) + REPORT],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "LOADED-AND-SERVING" in proc.stdout
+    assert "ignoring unknown quantization_config keys ['colour']" in proc.stdout + proc.stderr
+    modules = proc.stdout.split("INT4-MODULES", 1)[1]
+    assert "'model.layers.0.mlp.gate_up_proj'" in modules  # quantized: only down_proj was ignored
+    assert "'model.layers.0.mlp.down_proj'" not in modules
+    assert (
+        "'model.layers.1.self_attn.qkv_proj'" not in modules
+        and "'model.layers.1.self_attn.o_proj'" not in modules
+    )
+    assert "'model.layers.2.self_attn.qkv_proj'" in modules
+
+
+def test_float16_activations_are_refused(demo_quantized):
+    code = f"from vllm import LLM\nLLM(model={str(demo_quantized)!r}, dtype='float16', enforce_eager=True)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "torch.float16 is not supported for quantization method cpu_int4" in proc.stdout + proc.stderr

@@ -31,13 +31,9 @@ def tmpfs(path: Path, options: str):
         subprocess.run(["umount", str(path)], check=True)
 
 
-def staging_dirs(parent: Path) -> list[Path]:
-    return [p for p in parent.iterdir() if ".cpu-int4-staging" in p.name]
-
-
-def test_kill_9_leaves_no_out_and_the_rerun_cleans_up(tmp_path):
-    # ~0.3 GB in bf16: quantizing takes a few seconds, long enough to be killed midway.
-    src = tiny_llama(
+def slow_enough_model(tmp_path: Path) -> Path:
+    """~0.3 GB in bf16: quantizing takes seconds, long enough to be interrupted midway."""
+    return tiny_llama(
         tmp_path / "src",
         hidden_size=1024,
         intermediate_size=4096,
@@ -46,6 +42,14 @@ def test_kill_9_leaves_no_out_and_the_rerun_cleans_up(tmp_path):
         num_key_value_heads=8,
         vocab_size=32000,
     )
+
+
+def staging_dirs(parent: Path) -> list[Path]:
+    return [p for p in parent.iterdir() if ".cpu-int4-staging" in p.name]
+
+
+def test_kill_9_leaves_no_out_and_the_rerun_cleans_up(tmp_path):
+    src = slow_enough_model(tmp_path)
     parent = tmp_path / "dest"
     parent.mkdir()
     out = parent / "out"
@@ -67,15 +71,7 @@ def test_kill_9_leaves_no_out_and_the_rerun_cleans_up(tmp_path):
 
 
 def test_sigterm_cleans_up(tmp_path):
-    src = tiny_llama(
-        tmp_path / "src",
-        hidden_size=1024,
-        intermediate_size=4096,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        vocab_size=32000,
-    )
+    src = slow_enough_model(tmp_path)
     out = tmp_path / "out"
     proc = subprocess.Popen(quantize_cmd(src, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while not staging_dirs(tmp_path):

@@ -65,7 +65,7 @@ def _terminate(signum, frame) -> None:
 
 @app.command("quantize")
 def quantize_cmd(
-    model: Annotated[str, typer.Argument(help="Local HF checkpoint directory.")],
+    model: Annotated[str, typer.Argument(help="Local checkpoint folder, or a Hub id (org/name).")],
     out: Annotated[Path, typer.Argument(help="Output directory (created atomically).")],
     group_size: Annotated[int, typer.Option(help="Weights per scale/zero pair: 32, 64, 128 or 256.")] = 64,
     ignore: Annotated[
@@ -91,7 +91,7 @@ def quantize_cmd(
     ] = None,
     private: Annotated[bool, typer.Option(help="Create the Hub repo as private.")] = False,
 ) -> None:
-    """Quantize MODEL (local folder or Hub id) into OUT: min/max group-wise 4-bit, bf16 scale/zero."""
+    """Quantize MODEL (local folder or Hub id) into OUT: group-wise 4-bit codes, bf16 scale/zero."""
     signal.signal(signal.SIGTERM, _terminate)
     with _progress_bar("quantizing") as (bar, task):
         try:
@@ -156,6 +156,9 @@ def eval_cmd(
             _fail(f"{what} {path} does not exist")
     if engine not in ("torch", "vllm"):
         _fail(f"--engine must be torch or vllm, not {engine!r}")
+    quant_config = quant / "config.json"
+    if not quant_config.is_file() or "quantization_config" not in json.loads(quant_config.read_text()):
+        _fail(f"QUANT {quant} is not a cpu_int4 checkpoint (no quantization_config in its config.json)")
     with _progress_bar("scoring", bytes_=False) as (bar, task):
         result = evaluate(
             base,
@@ -207,7 +210,7 @@ def print_summary(summary: Summary) -> None:
     )
     out.print(
         f"  {len(plan.quantized)} layers quantized ({plan.quantized_params / 1e6:.1f}M weights)"
-        f" at {plan.bits_per_weight:.2f} bits/weight, group size {plan.group_size};"
+        f" at {plan.bits_per_weight:.2f} bits/weight, group size {plan.group_size}, {summary.method};"
         f" whole checkpoint {summary.bits_per_weight_overall:.2f} bits/weight"
     )
     if plan.kept_layers:

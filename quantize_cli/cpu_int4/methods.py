@@ -33,7 +33,7 @@ def weighted_error(
     zero = zero.to(torch.bfloat16).float()
     norm = _group_norm(groups)[..., None]
     codes = round_to_codes(groups, scale, zero)
-    diff = torch.addcmul((zero - ZERO_CODE * scale)[..., None], codes, scale[..., None]).sub_(groups)
+    diff = (codes * scale[..., None]).add_((zero - ZERO_CODE * scale)[..., None]).sub_(groups)
     diff.div_(norm)
     imp = importance(groups / norm) if imp is None else imp
     return torch.linalg.vecdot(imp, diff.mul_(diff))
@@ -117,9 +117,7 @@ def _stretched_codes(
 ) -> torch.Tensor:
     """Codes 0..15 of a grid with 15 + stretch steps over the group's range, from its minimum."""
     inv_step = (MAX_CODE + stretch) / span
-    return (
-        torch.addcmul((-low * inv_step)[..., None], groups, inv_step[..., None]).round_().clamp_(0, MAX_CODE)
-    )
+    return (groups * inv_step[..., None]).sub_((low * inv_step)[..., None]).round_().clamp_(0, MAX_CODE)
 
 
 def _stored_codes(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

@@ -17,17 +17,21 @@ _STAGING = ".cpu-int4-staging"
 class OutputDir:
     """Validates OUT up front and hands out a staging directory that becomes OUT on success."""
 
-    def __init__(self, path: Path, source: Path, overwrite: bool):
+    def __init__(self, path: Path, overwrite: bool, source: Path | None = None):
         self.path = path.expanduser().absolute()
-        resolved = self.path.resolve()
-        if resolved == source or source in resolved.parents:
-            raise QuantizeError(f"OUT {path} is inside MODEL {source}; choose a directory outside it")
+        if source is not None:
+            self.check_outside(source)
         if self.path.exists():
             if not self.path.is_dir():
                 raise QuantizeError(f"OUT {path} exists and is not a directory")
             if any(self.path.iterdir()) and not overwrite:
                 raise QuantizeError(f"OUT {path} exists and is not empty; pass --overwrite to replace it")
-        self.overwrite = overwrite
+
+    def check_outside(self, source: Path) -> None:
+        """Refuse an OUT that is MODEL itself or inside it (replacing it would destroy the input)."""
+        resolved = self.path.resolve()
+        if resolved == source or source in resolved.parents:
+            raise QuantizeError(f"OUT {self.path} is inside MODEL {source}; choose a directory outside it")
 
     def _sibling(self, kind: str, pid: int) -> Path:
         return self.path.parent / f".{self.path.name}{_STAGING}-{kind}-{pid}"

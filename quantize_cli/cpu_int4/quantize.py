@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from cpu_int4_vllm.format import CONFIG_DEFAULTS, PACKED_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX
+from cpu_int4_vllm.format import CONFIG_DEFAULTS, GROUP_SIZES, PACKED_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX
 
 from .card import write_card
 from .checkpoint import (
@@ -26,7 +26,7 @@ from .errors import QuantizeError
 from .hub import download, looks_like_hub_id, push
 from .methods import METHODS
 from .outdir import OutputDir
-from .plan import LayerChoice, Plan, input_norm, make_plan, norm_offset
+from .plan import LayerChoice, Plan, compile_patterns, input_norm, make_plan, norm_offset
 from .shards import OutputTensor, ShardWriter, parse_size
 
 # Rows are quantized in slices of about this many fp32 bytes, so memory does not grow with
@@ -80,13 +80,19 @@ def quantize(
     start = time.perf_counter()
     if method not in METHODS:
         raise QuantizeError(f"unknown method {method!r}; use one of {sorted(METHODS)}")
+    if group_size not in GROUP_SIZES:
+        raise QuantizeError(f"group size {group_size} is not supported; use one of {list(GROUP_SIZES)}")
+    compile_patterns(ignore or [])
     try:
         shard_bytes = parse_size(max_shard_size)
     except ValueError as err:
         raise QuantizeError(f"--max-shard-size: {err}") from err
     base_model = model if looks_like_hub_id(model) else None
-    source = download(model, revision) if base_model else resolve_model(model)
-    out_dir = OutputDir(Path(out), source, overwrite)
+    source = None if base_model else resolve_model(model)
+    out_dir = OutputDir(Path(out), overwrite, source)  # checked before a possibly long download
+    if base_model:
+        source = download(model, revision)
+        out_dir.check_outside(source)
     ckpt = open_checkpoint(source)
     plan = make_plan(ckpt, group_size, ignore, quantize_embedding)
     summary = Summary(
@@ -101,7 +107,10 @@ def quantize(
         write_card(tmp, summary, base_model, command or f"cpu-int4 quantize {model} {out}", push_to_hub)
     summary.seconds = time.perf_counter() - start
     if push_to_hub:
-        summary.url = push(out_dir.path, push_to_hub, private=private)
+        try:
+            summary.url = push(out_dir.path, push_to_hub, private=private)
+        except QuantizeError as err:
+            raise QuantizeError(f"wrote {out_dir.path}, but pushing it failed: {err}") from err
     return summary
 
 

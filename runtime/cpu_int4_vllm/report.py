@@ -16,7 +16,7 @@ def int4_memory_report(model: torch.nn.Module) -> dict:
     modules = {}
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
-        if not isinstance(method, (CpuInt4LinearMethod, CpuInt4EmbeddingMethod)):
+        if not isinstance(method, CpuInt4LinearMethod):
             continue
         groups, n, _ = module.scales_and_zeros.shape
         one_copy = n * groups * method.config.group_size // 2

@@ -81,6 +81,19 @@ def check_paths(n: int, k: int, g: int) -> None:
     assert snr_db(exact, decode) >= 40
 
 
+@pytest.mark.parametrize("rows", [1, 3, 7])
+def test_a_raised_threshold_sends_a_few_rows_through_the_kernel(rows):
+    packed, scale, zero = quantized(960, 576, 64)
+    kernel_packed, sz, _ = prepare_kernel_weights(packed, scale, zero)
+    x = torch.randn(rows, 576, dtype=torch.bfloat16)
+    by_kernel = int4_linear(x, kernel_packed, sz, 64, dequant_threshold=8)
+    by_dequant = int4_linear(x, kernel_packed, sz, 64, dequant_threshold=1)
+    assert by_kernel.shape == (rows, 960)
+    assert snr_db(by_dequant, by_kernel) >= 40
+    # Row i of a batch is exactly what row i alone gives.
+    assert torch.equal(by_kernel[-1:], int4_linear(x[-1:], kernel_packed, sz, 64, dequant_threshold=8))
+
+
 def test_misread_layout_falls_back_to_row_major(monkeypatch):
     """A layout that does not read the weight back exactly must not be used."""
     import cpu_int4_vllm.kernels as kernels

@@ -88,12 +88,19 @@ def int4_linear(
 
     Rows >= dequant_threshold dequantize once and use the dense GEMM: the tinygemm kernel
     dequantizes per row and loses above ~8 rows, and on AMX hosts multi-row calls followed
-    by vLLM's CPU attention died with SIGILL (DESIGN §2).
+    by vLLM's CPU attention died with SIGILL (DESIGN §2). Fewer rows go through the kernel.
     """
     rows = x.reshape(-1, x.shape[-1])
     n = scales_and_zeros.shape[1]
     if rows.shape[0] < dequant_threshold:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_and_zeros)
+        # One row per call even when a raised threshold lets a few rows through: only multi-row
+        # calls were seen to leave AMX state that killed vLLM's CPU attention (SIGILL).
+        out = torch.cat(
+            [
+                torch.ops.aten._weight_int4pack_mm_for_cpu(row, packed, group_size, scales_and_zeros)
+                for row in rows.split(1)
+            ]
+        )
     elif rowmajor is not None:
         out = F.linear(rows, dequantize_kernel_weight(packed, scales_and_zeros, group_size, rowmajor))
     else:

@@ -5,6 +5,10 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 export VLLM_CPU_OMP_THREADS_BIND ?= nobind
 export VLLM_CPU_KVCACHE_SPACE ?= 2
+# No usage statistics or telemetry leave the machine (vLLM, huggingface_hub).
+export VLLM_NO_USAGE_STATS = 1
+export DO_NOT_TRACK = 1
+export HF_HUB_DISABLE_TELEMETRY = 1
 
 .PHONY: install demo test lint
 

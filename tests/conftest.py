@@ -36,3 +36,7 @@ def demo_quantized(demo_model, tmp_path_factory) -> Path:
 # send a test's inspection function into the worker.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+# Nothing leaves the machine: no usage statistics or telemetry.
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tiny_models import tiny_llama
+from tiny_models import medium_llama, tiny_llama
 
 CLI = str(Path(sys.executable).with_name("cpu-int4"))
 
@@ -31,25 +31,12 @@ def tmpfs(path: Path, options: str):
         subprocess.run(["umount", str(path)], check=True)
 
 
-def slow_enough_model(tmp_path: Path) -> Path:
-    """~0.3 GB in bf16: quantizing takes seconds, long enough to be interrupted midway."""
-    return tiny_llama(
-        tmp_path / "src",
-        hidden_size=1024,
-        intermediate_size=4096,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        vocab_size=32000,
-    )
-
-
 def staging_dirs(parent: Path) -> list[Path]:
     return [p for p in parent.iterdir() if ".cpu-int4-staging" in p.name]
 
 
 def test_kill_9_leaves_no_out_and_the_rerun_cleans_up(tmp_path):
-    src = slow_enough_model(tmp_path)
+    src = medium_llama(tmp_path / "src")
     parent = tmp_path / "dest"
     parent.mkdir()
     out = parent / "out"
@@ -71,7 +58,7 @@ def test_kill_9_leaves_no_out_and_the_rerun_cleans_up(tmp_path):
 
 
 def test_sigterm_cleans_up(tmp_path):
-    src = slow_enough_model(tmp_path)
+    src = medium_llama(tmp_path / "src")
     out = tmp_path / "out"
     proc = subprocess.Popen(quantize_cmd(src, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while not staging_dirs(tmp_path):

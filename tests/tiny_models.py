@@ -23,6 +23,19 @@ def tiny_llama(path: Path, dtype=torch.bfloat16, intermediate_size=128, max_shar
     return _save(config, path, dtype, max_shard_size)
 
 
+def medium_llama(path: Path) -> Path:
+    """~0.3 GB in bf16: quantizing takes seconds, long enough to be interrupted midway."""
+    return tiny_llama(
+        path,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=32000,
+    )
+
+
 def tiny_qwen2(path: Path, dtype=torch.bfloat16) -> Path:
     """Qwen2 with q/k/v biases and an untied lm_head."""
     config = Qwen2Config(

@@ -77,7 +77,7 @@ def check_paths(n: int, k: int, g: int) -> None:
     decode = int4_linear(x, kernel_packed, sz, g, dequant_threshold=2)
     prefill = int4_linear(x, kernel_packed, sz, g, dequant_threshold=1)
     exact = x.double() @ reference_w.double().t()
-    assert snr_db(prefill, decode) >= 40
+    assert snr_db(prefill, decode) >= 80  # the same fp32 math: one function of the weights
     assert snr_db(exact, decode) >= 40
 
 

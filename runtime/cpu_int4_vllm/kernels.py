@@ -45,9 +45,9 @@ def prepare_kernel_weights(
 
 
 def dequantize_kernel_weight_t(
-    packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
+    packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
-    """bf16 W^T [K, N], columns in the layout's storage order, read from the kernel's own tensor.
+    """W^T [K, N], columns in the layout's storage order, read from the kernel's own tensor.
 
     Same fp32 formula as format.dequantize_codes, so the values are bit-identical; the [K, N]
     orientation needs no gather of the N*K codes (the GEMM's output columns are reordered).
@@ -58,7 +58,7 @@ def dequantize_kernel_weight_t(
     codes = unpack_kernel_codes_t(packed, layout, k).view(groups, group_size, layout.n)
     sz = scales_and_zeros.index_select(1, layout.order).float()  # [K/g, N, 2], storage order
     weight = codes.float().sub_(ZERO_CODE).mul_(sz[:, None, :, 0]).add_(sz[:, None, :, 1])
-    return weight.view(k, layout.n).to(torch.bfloat16)
+    return weight.view(k, layout.n).to(dtype)
 
 
 def dequantize_kernel_weight(
@@ -102,9 +102,15 @@ def int4_linear(
             ]
         )
     elif rowmajor is not None:
-        out = F.linear(rows, dequantize_kernel_weight(packed, scales_and_zeros, group_size, rowmajor))
+        scale, zero = scales_and_zeros[..., 0].t(), scales_and_zeros[..., 1].t()
+        weight = dequantize(rowmajor, scale, zero, group_size, torch.float32)
+        out = F.linear(rows.float(), weight).to(rows.dtype)
     else:
-        out_slots = rows @ dequantize_kernel_weight_t(packed, scales_and_zeros, group_size)
+        # fp32 weights and accumulation, as the kernel computes: decode and prefill stay one
+        # function of the weights (bf16 weights differed from the kernel at ~52 dB SNR and
+        # changed greedy tokens between a prompt alone and in a batch; fp32: ~100 dB).
+        weight_t = dequantize_kernel_weight_t(packed, scales_and_zeros, group_size, torch.float32)
+        out_slots = (rows.float() @ weight_t).to(rows.dtype)
         out = out_slots.index_select(1, learn_layout(n).slot_of_row)
     return out.reshape(*x.shape[:-1], n)
 

@@ -16,6 +16,8 @@ from .layout import learn_layout, pack_for_kernel, unpack_kernel_codes, unpack_k
 
 logger = logging.getLogger(__name__)
 
+FP32_MAX_ROWS = 256  # multi-row batches up to this size compute in fp32 (see int4_linear)
+
 
 def prepare_kernel_weights(
     packed: torch.Tensor,
@@ -106,11 +108,13 @@ def int4_linear(
         weight = dequantize(rowmajor, scale, zero, group_size, torch.float32)
         out = F.linear(rows.float(), weight).to(rows.dtype)
     else:
-        # fp32 weights and accumulation, as the kernel computes: decode and prefill stay one
-        # function of the weights (bf16 weights differed from the kernel at ~52 dB SNR and
-        # changed greedy tokens between a prompt alone and in a batch; fp32: ~100 dB).
-        weight_t = dequantize_kernel_weight_t(packed, scales_and_zeros, group_size, torch.float32)
-        out_slots = (rows.float() @ weight_t).to(rows.dtype)
+        # Up to FP32_MAX_ROWS rows, fp32 weights and accumulation as the kernel computes, so a
+        # prompt gives the same tokens alone and in a batch (bf16 weights differed from the
+        # kernel at ~52 dB SNR and changed greedy tokens). Larger prefills take the bf16 GEMM,
+        # 3-4x faster than fp32 here.
+        dtype = torch.float32 if rows.shape[0] <= FP32_MAX_ROWS else rows.dtype
+        weight_t = dequantize_kernel_weight_t(packed, scales_and_zeros, group_size, dtype)
+        out_slots = (rows.to(dtype) @ weight_t).to(rows.dtype)
         out = out_slots.index_select(1, learn_layout(n).slot_of_row)
     return out.reshape(*x.shape[:-1], n)
 

@@ -135,12 +135,13 @@ def _write_weights(
 ) -> None:
     writer = ShardWriter(tmp, _outputs(plan), shard_bytes)
     by_name = {t.name: t for t in ckpt.tensors}
+    names = set(by_name)
     offset = norm_offset(ckpt.config)
     try:
         with TensorReader() as reader:
             for c in plan.choices:
                 if c.action == "quantize":
-                    norm = input_norm(c.module, plan.tied, set(by_name))
+                    norm = input_norm(c.module, plan.tied, names)
                     # An input channel's importance is its squared RMSNorm gain.
                     gain = None if norm is None else reader.rows(by_name[norm], 0, by_name[norm].shape[0])
                     channel = None if gain is None else (gain.float() + offset) ** 2

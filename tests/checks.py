@@ -1,4 +1,4 @@
-"""Assertions shared by tests: an output dequantizes to what the quantizer meant."""
+"""Shared by tests: an output dequantizes to what the quantizer meant; weights and SNR for kernels."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import torch
-from cpu_int4_vllm.format import dequantize
+from cpu_int4_vllm.format import dequantize, quantize_minmax
 from safetensors.torch import load_file
 
 BF16_REL = 2.0**-8  # bf16 keeps 8 significant bits: relative rounding of a stored scale or zero
@@ -46,3 +46,20 @@ def check_output(source: Path, out: Path) -> dict:
         assert tensor.dtype == src[name].dtype, name
         assert torch.equal(tensor.view(torch.uint8), src[name].view(torch.uint8)), f"{name} changed"
     return {"quantized": quantized, "kept": kept}
+
+
+# Every linear of SmolLM2-135M as vLLM sees it (fused qkv and gate_up), plus its vocab table.
+DEMO_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+TAIL_SHAPES = [(16, 512), (48, 512), (80, 512), (2048, 512)]
+
+
+def snr_db(ref: torch.Tensor, other: torch.Tensor) -> float:
+    ref, other = ref.double(), other.double()
+    return float(10 * torch.log10(ref.pow(2).sum() / (ref - other).pow(2).sum().clamp_min(1e-30)))
+
+
+def quantized(n: int, k: int, g: int, seed: int = 0):
+    """Min/max-quantized random weights [n, k]: (packed, scale, zero)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    return quantize_minmax(w, g)

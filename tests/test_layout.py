@@ -7,24 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cpu_int4_vllm.format import dequantize, quantize_minmax, unpack_nibbles
+from checks import DEMO_SHAPES, TAIL_SHAPES, quantized, snr_db
+from cpu_int4_vllm.format import dequantize, unpack_nibbles
 from cpu_int4_vllm.kernels import dequantize_kernel_weight, int4_linear, prepare_kernel_weights
 from cpu_int4_vllm.layout import learn_layout, pack_for_kernel, unpack_kernel_codes
-
-# Every linear of SmolLM2-135M as vLLM sees it (fused qkv and gate_up), plus its vocab table.
-DEMO_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
-TAIL_SHAPES = [(16, 512), (48, 512), (80, 512), (2048, 512)]
-
-
-def snr_db(ref: torch.Tensor, other: torch.Tensor) -> float:
-    ref, other = ref.double(), other.double()
-    return float(10 * torch.log10(ref.pow(2).sum() / (ref - other).pow(2).sum().clamp_min(1e-30)))
-
-
-def quantized(n: int, k: int, g: int, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=gen) * 0.05
-    return quantize_minmax(w, g)
 
 
 def test_layout_matches_the_measured_isa_facts():

@@ -1,4 +1,7 @@
-"""The int4 linear: tinygemm kernel for decode rows, dequantize + dense GEMM for prefill.
+"""The int4 linear: an int4 kernel for decode rows, dequantize + dense GEMM for prefill.
+
+Two kernels: cpu_int4's own (native.py, int4_gemv.cpp) when it is built, PyTorch's tinygemm
+otherwise. Each has its own weight layout; build_kernel_weights in linear.py picks one per process.
 
 Behind a registered custom op with a fake implementation, so torch.compile sees one opaque call
 with the right output shape and never guards on the row count (DESIGN §2).
@@ -11,12 +14,25 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .format import ZERO_CODE, dequantize, unpack_nibbles
 from .layout import learn_layout, pack_for_kernel, unpack_kernel_codes, unpack_kernel_codes_t
 
 logger = logging.getLogger(__name__)
 
 FP32_MAX_ROWS = 256  # multi-row batches up to this size compute in fp32 (see int4_linear)
+# The native kernel unpacks once per 3 rows but multiplies per row, so it is compute-bound
+# above one row; on 2 cores (4096x4096, g64) it still beat dequantize + fp32 GEMM at 64 rows
+# (12.9 vs ~20 ms) and tied it near 256. Below this many rows it also keeps batches invariant.
+NATIVE_MAX_ROWS = 64
+
+
+def _dense_dtype(rows: int) -> torch.dtype:
+    # Up to FP32_MAX_ROWS rows, fp32 weights and accumulation as the kernels compute, so a
+    # prompt gives the same tokens alone and in a batch (bf16 weights differed from the
+    # kernel at ~52 dB SNR and changed greedy tokens). Larger prefills take the bf16 GEMM,
+    # 3-4x faster than fp32 here.
+    return torch.float32 if rows <= FP32_MAX_ROWS else torch.bfloat16
 
 
 def prepare_kernel_weights(
@@ -108,11 +124,7 @@ def int4_linear(
             ]
         )
     else:
-        # Up to FP32_MAX_ROWS rows, fp32 weights and accumulation as the kernel computes, so a
-        # prompt gives the same tokens alone and in a batch (bf16 weights differed from the
-        # kernel at ~52 dB SNR and changed greedy tokens). Larger prefills take the bf16 GEMM,
-        # 3-4x faster than fp32 here.
-        dtype = torch.float32 if rows.shape[0] <= FP32_MAX_ROWS else rows.dtype
+        dtype = _dense_dtype(rows.shape[0])
         if rowmajor is not None:
             weight = dequantize_kernel_weight(packed, scales_and_zeros, group_size, rowmajor, dtype)
             out = F.linear(rows.to(dtype), weight).to(rows.dtype)
@@ -121,6 +133,36 @@ def int4_linear(
             out_slots = (rows.to(dtype) @ weight_t).to(rows.dtype)
             out = out_slots.index_select(1, learn_layout(n).slot_of_row)
     return out.reshape(*x.shape[:-1], n)
+
+
+def native_linear(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
+    """y = x @ W.T for bf16 x [..., K] on the native kernel's layout (native_layout.py).
+
+    Fewer than NATIVE_MAX_ROWS rows take the kernel (no AMX, so multi-row calls are safe);
+    more dequantize W^T once and use the dense GEMM.
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    isa = native.isa()
+    if rows.shape[0] < NATIVE_MAX_ROWS:
+        out = torch.ops.cpu_int4_native.gemv(rows, packed, sz, group_size, isa).to(rows.dtype)
+    else:
+        dtype = _dense_dtype(rows.shape[0])
+        weight_t = torch.ops.cpu_int4_native.dequantize_t(packed, sz, group_size, dtype, isa)
+        out = (rows.to(dtype) @ weight_t).to(rows.dtype)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+@torch.library.custom_op("cpu_int4::native_linear", mutates_args=())
+def native_linear_op(
+    x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """native_linear as an opaque op for torch.compile."""
+    return native_linear(x, packed, sz, group_size)
+
+
+@native_linear_op.register_fake
+def _(x, packed, sz, group_size):
+    return x.new_empty(*x.shape[:-1], sz.shape[0] * sz.shape[-1])
 
 
 @torch.library.custom_op("cpu_int4::linear", mutates_args=())

@@ -6,8 +6,10 @@ import torch
 from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
 from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
 
+from . import native
 from .format import PACKED_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX, shape_problem
-from .kernels import int4_linear, int4_linear_op, prepare_kernel_weights
+from .kernels import int4_linear, int4_linear_op, native_linear, native_linear_op, prepare_kernel_weights
+from .native_layout import pack_native
 
 
 def create_int4_weights(
@@ -24,6 +26,7 @@ def create_int4_weights(
     if problem:
         raise ValueError(f"cpu_int4: layer {getattr(layer, 'prefix', '')} cannot be int4 here: {problem}")
     layer.int4_loaded_shards = {}  # tensor name -> shard ids loaded, to catch a missing tensor
+    layer.int4_weight_shape = (n, k)
     packed = PackedvLLMParameter(
         data=torch.empty(n, k // 2, dtype=torch.uint8),
         input_dim=1,
@@ -88,21 +91,35 @@ def check_all_loaded(layer) -> None:
 def build_kernel_weights(layer, config, keep_rowmajor_for_lookup: bool = False) -> None:
     """Replace the checkpoint tensors by the kernel's; the row-major ones stay only if needed."""
     check_all_loaded(layer)
-    kernel_packed, scales_and_zeros, rowmajor = prepare_kernel_weights(
-        layer.weight_packed.data, layer.weight_scale.data, layer.weight_zero.data, config.direct_dequant
-    )
+    packed, scale, zero = layer.weight_packed.data, layer.weight_scale.data, layer.weight_zero.data
+    layer.int4_native = native.isa() is not None
+    if layer.int4_native:
+        kernel_packed, scales_and_zeros = pack_native(packed, scale, zero)
+        rowmajor = None  # the native layout is ours: nothing to distrust
+    else:
+        kernel_packed, scales_and_zeros, rowmajor = prepare_kernel_weights(
+            packed, scale, zero, config.direct_dequant
+        )
     layer.int4_packed = torch.nn.Parameter(kernel_packed, requires_grad=False)
     layer.scales_and_zeros = torch.nn.Parameter(scales_and_zeros, requires_grad=False)
     layer.int4_rowmajor = None if rowmajor is None else torch.nn.Parameter(rowmajor, requires_grad=False)
     del layer.int4_loaded_shards
-    if keep_rowmajor_for_lookup:
-        return
+    if not keep_rowmajor_for_lookup:
+        drop_rowmajor(layer)
+
+
+def drop_rowmajor(layer) -> None:
+    """Free the checkpoint's row-major tensors once nothing looks rows up in them."""
     for name in (PACKED_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX):
         delattr(layer, name)
 
 
 def apply_int4(layer, config, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T (+ bias) through the custom op (or the plain function when use_custom_op is off)."""
+    if layer.int4_native:
+        fn = native_linear_op if config.use_custom_op else native_linear
+        out = fn(x.to(torch.bfloat16), layer.int4_packed, layer.scales_and_zeros, config.group_size)
+        return out if bias is None else out + bias
     fn = int4_linear_op if config.use_custom_op else int4_linear
     out = fn(
         x.to(torch.bfloat16),

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from .format import PACKED_SUFFIX
+
+PACKED_CODE_TENSORS = (PACKED_SUFFIX, "int4_packed", "int4_rowmajor")  # the tensors holding codes
+
 
 def int4_memory_report(model: torch.nn.Module) -> dict:
     """Per int4 module: packed bytes expected for one copy, packed bytes held, tensor names.
@@ -18,13 +22,14 @@ def int4_memory_report(model: torch.nn.Module) -> dict:
         method = getattr(module, "quant_method", None)
         if not isinstance(method, CpuInt4LinearMethod):
             continue
-        groups, n, _ = module.scales_and_zeros.shape
-        one_copy = n * groups * method.config.group_size // 2
-        held = sum(t.numel() for t in module.parameters() if t.dtype == torch.uint8)
+        n, k = module.int4_weight_shape
+        one_copy = n * k // 2
+        held = sum(t.nbytes for name, t in module.named_parameters() if name in PACKED_CODE_TENSORS)
         modules[name] = {
             "kind": "embedding" if isinstance(method, CpuInt4EmbeddingMethod) else "linear",
             "packed_bytes_one_copy": one_copy,
             "packed_bytes_held": held,
+            "native_kernel": bool(getattr(module, "int4_native", False)),
             "tensors": sorted(n for n, _ in module.named_parameters()),
         }
     # named_modules() lists a shared module once: a tied head shows up under the table's name.

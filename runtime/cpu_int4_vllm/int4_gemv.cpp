@@ -1,0 +1,310 @@
+// cpu_int4's own decode kernel: y = x @ W^T for a few bf16 rows x, W in 4-bit groups.
+//
+// Runtime layout (built by layout.pack_native from the checkpoint's row-major nibbles; nothing
+// on disk changes):
+//   packed  int32 [N/16][K/8][16]     lane j of step c: the 8 codes q[16b+j][8c .. 8c+7]; nibble
+//                                     slot s (bits 4s..4s+3) holds k = 8c + kSlotK[s]
+//   sz      bf16  [N/16][K/g][2][16]  scale, then zero, of rows 16b..16b+15 in group g
+// One SIMD lane per output row, so a block streams its bytes front to back and no horizontal
+// sum is ever needed. Per group and row: y += s * sum(x*q) + (z - 8s) * sum(x), which is
+// w = (q - 8) * s + z from DESIGN §1 with the zero folded out of the inner loop.
+//
+// The slot order puts codes k and k+1 in bits 4t and 16+4t, so one shift and one mask give
+// a lane with two codes 16 bits apart: exactly the bf16 pair AVX-512 BF16's dot product takes
+// (3 instructions per 32 weights; converting bytes to floats took 7 and ran out of compute
+// at ~10 GB/s on 2 cores, half of what the memory gives).
+//
+// Every row is computed with the same operations in the same order whatever M is, so a
+// sequence's logits do not depend on what else is in the batch.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+// Only these functions use the wider instructions; the rest of the library runs anywhere.
+#define AVX512_BF16 __attribute__((target("avx512f,avx512bf16")))
+#define AVX2 __attribute__((target("avx2,fma")))
+
+namespace {
+
+constexpr int kBlock = 16;         // output rows per block, one per lane of a 512-bit vector
+constexpr int kStep = 8;           // codes per lane per int32
+constexpr int kMaxRowsAtOnce = 3;  // input rows sharing one unpack: 3 x 8 sums fill 32 registers
+// Steps (64 bytes each) to prefetch ahead: 2 KiB ahead took the 4-layer 7B-shaped model from
+// 41.6 to 26.9 ms a token on 2 cores (14 -> 22 GB/s, what bf16's GEMV streams).
+constexpr int kPrefetchSteps = 32;
+constexpr int kSlotK[kStep] = {0, 2, 4, 6, 1, 3, 5, 7};  // k offset held in nibble slot s
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+struct Problem {
+  const uint16_t* x;   // [M][K] bf16 bits
+  const float* xf;     // [M][K] the same values as fp32
+  const float* xsum;   // [M][G] per-group sums of x
+  const int32_t* packed;
+  const uint16_t* sz;
+  int64_t M, K, N, G, g;
+};
+
+// ------------------------------------------------ AVX-512 BF16: codes as bf16 (128 + q), exact
+// Lane bits 0x4300 | q are the bf16 number 128 + q, so sum(x * (128 + q)) - 128 * sum(x) is
+// sum(x * q); the constant goes into the per-group offset: y += s * acc + (z - 136 s) * sum(x).
+
+AVX512_BF16 inline __m512 load_bf16x16(const uint16_t* p) {
+  __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+
+template <int MR>
+AVX512_BF16 void block_avx512_bf16(const Problem& P, int64_t blk, int64_t m0, float* y) {
+  const __m512i low_pair = _mm512_set1_epi32(0x000F000F);
+  const __m512i magic = _mm512_set1_epi32(0x43004300);
+  const int32_t* wb = P.packed + blk * (P.K / kStep) * kBlock;
+  const uint16_t* szb = P.sz + blk * P.G * 2 * kBlock;
+  const int64_t steps = P.g / kStep;  // even: g is 32..256
+  __m512 out[MR];
+  for (int m = 0; m < MR; ++m) out[m] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < P.G; ++gi) {
+    // 8 independent sums per row: the dot product's ~8-cycle latency needs that many in flight.
+    __m512 acc[MR][2][4];
+    for (int m = 0; m < MR; ++m)
+      for (int a = 0; a < 2; ++a)
+        for (int t = 0; t < 4; ++t) acc[m][a][t] = _mm512_setzero_ps();
+    for (int64_t c0 = gi * steps; c0 < (gi + 1) * steps; c0 += 2) {
+      for (int a = 0; a < 2; ++a) {
+        const int64_t c = c0 + a;
+        _mm_prefetch(reinterpret_cast<const char*>(wb + (c + kPrefetchSteps) * kBlock), _MM_HINT_T0);
+        const __m512i codes = _mm512_loadu_si512(wb + c * kBlock);
+        for (int t = 0; t < 4; ++t) {
+          // (codes >> 4t) & 0x000F000F | 0x43004300 in one ternary-logic instruction.
+          const __m512i pair =
+              _mm512_ternarylogic_epi32(_mm512_srli_epi32(codes, 4 * t), low_pair, magic, 0xEA);
+          for (int m = 0; m < MR; ++m) {
+            int32_t xpair;
+            std::memcpy(&xpair, P.x + (m0 + m) * P.K + c * kStep + 2 * t, sizeof(xpair));
+            acc[m][a][t] = _mm512_dpbf16_ps(acc[m][a][t], (__m512bh)pair, (__m512bh)_mm512_set1_epi32(xpair));
+          }
+        }
+      }
+    }
+    const __m512 s = load_bf16x16(szb + gi * 2 * kBlock);
+    const __m512 z = load_bf16x16(szb + gi * 2 * kBlock + kBlock);
+    const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), s, z);
+    for (int m = 0; m < MR; ++m) {
+      __m512 sum[2];
+      for (int a = 0; a < 2; ++a)
+        sum[a] = _mm512_add_ps(_mm512_add_ps(acc[m][a][0], acc[m][a][1]), _mm512_add_ps(acc[m][a][2], acc[m][a][3]));
+      const __m512 xs = _mm512_set1_ps(P.xsum[(m0 + m) * P.G + gi]);
+      out[m] = _mm512_add_ps(out[m], _mm512_fmadd_ps(s, _mm512_add_ps(sum[0], sum[1]), _mm512_mul_ps(offset, xs)));
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * kBlock, out[m]);
+}
+
+// ------------------------------------------------ AVX2 + FMA: codes as fp32, two ymm per block
+AVX2 inline __m256 load_bf16x8(const uint16_t* p) {
+  __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+template <int MR>
+AVX2 void block_avx2(const Problem& P, int64_t blk, int64_t m0, float* y) {
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
+  const int32_t* wb = P.packed + blk * (P.K / kStep) * kBlock;
+  const uint16_t* szb = P.sz + blk * P.G * 2 * kBlock;
+  const int64_t steps = P.g / kStep;
+  for (int h = 0; h < 2; ++h) {
+    __m256 out[MR];
+    for (int m = 0; m < MR; ++m) out[m] = _mm256_setzero_ps();
+    for (int64_t gi = 0; gi < P.G; ++gi) {
+      __m256 acc[MR][2];
+      for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+      for (int64_t c = gi * steps; c < (gi + 1) * steps; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(wb + (c + kPrefetchSteps) * kBlock + 8 * h), _MM_HINT_T0);
+        const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * kBlock + 8 * h));
+        for (int s = 0; s < kStep; ++s) {
+          const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(codes, 4 * s), low4));
+          for (int m = 0; m < MR; ++m) {
+            const __m256 xk = _mm256_set1_ps(P.xf[(m0 + m) * P.K + c * kStep + kSlotK[s]]);
+            acc[m][s & 1] = _mm256_fmadd_ps(q, xk, acc[m][s & 1]);
+          }
+        }
+      }
+      const __m256 s = load_bf16x8(szb + gi * 2 * kBlock + 8 * h);
+      const __m256 z = load_bf16x8(szb + gi * 2 * kBlock + kBlock + 8 * h);
+      const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, z);
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xs = _mm256_set1_ps(P.xsum[(m0 + m) * P.G + gi]);
+        const __m256 sum = _mm256_add_ps(acc[m][0], acc[m][1]);
+        out[m] = _mm256_add_ps(out[m], _mm256_fmadd_ps(s, sum, _mm256_mul_ps(offset, xs)));
+      }
+    }
+    for (int m = 0; m < MR; ++m) _mm256_storeu_ps(y + m * kBlock + 8 * h, out[m]);
+  }
+}
+
+using BlockFn = void (*)(const Problem&, int64_t, int64_t, float*);
+
+// Index MR-1: the routine that handles MR input rows of one block at once.
+const BlockFn kAvx512Bf16[kMaxRowsAtOnce] = {block_avx512_bf16<1>, block_avx512_bf16<2>, block_avx512_bf16<3>};
+const BlockFn kAvx2[kMaxRowsAtOnce] = {block_avx2<1>, block_avx2<2>, block_avx2<3>};
+
+void check_weights(const at::Tensor& packed, const at::Tensor& sz, int64_t group_size) {
+  TORCH_CHECK(packed.dtype() == at::kInt && packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous(),
+              "cpu_int4 native: packed must be contiguous int32 [N/16, K/8, 16]");
+  TORCH_CHECK(sz.dtype() == at::kBFloat16 && sz.dim() == 4 && sz.size(0) == packed.size(0) && sz.size(2) == 2 &&
+                  sz.size(3) == kBlock && sz.is_contiguous(),
+              "cpu_int4 native: scales must be contiguous bf16 [N/16, K/g, 2, 16]");
+  TORCH_CHECK(group_size % kStep == 0 && sz.size(1) * group_size == packed.size(1) * kStep,
+              "cpu_int4 native: group size ", group_size, " does not match the tensors");
+}
+
+// y [M, N] fp32 = x [M, K] @ W^T. isa: 2 = AVX-512 BF16, 1 = AVX2 (the caller picks what the CPU has).
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t group_size,
+                     int64_t isa) {
+  check_weights(packed, sz, group_size);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1) * kStep && x.dtype() == at::kBFloat16,
+              "cpu_int4 native: x must be bf16 [M, K]");
+  TORCH_CHECK(isa == 1 || isa == 2, "cpu_int4 native: isa must be 1 (AVX2) or 2 (AVX-512 BF16)");
+  const at::Tensor xb = x.contiguous();
+  const at::Tensor xf = xb.to(at::kFloat);
+  const int64_t M = xb.size(0), K = xb.size(1), blocks = packed.size(0), G = sz.size(1);
+  const at::Tensor xsum = xf.view({M, G, group_size}).sum(-1).contiguous();
+  at::Tensor y = at::empty({M, blocks * kBlock}, xf.options());
+  const Problem P{reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()),
+                  xf.data_ptr<float>(),
+                  xsum.data_ptr<float>(),
+                  packed.data_ptr<int32_t>(),
+                  reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>()),
+                  M, K, blocks * kBlock, G, group_size};
+  const BlockFn* table = isa == 2 ? kAvx512Bf16 : kAvx2;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    float ybuf[kMaxRowsAtOnce * kBlock];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsAtOnce) {
+        const int mr = static_cast<int>(std::min<int64_t>(kMaxRowsAtOnce, M - m0));
+        table[mr - 1](P, blk, m0, ybuf);
+        for (int m = 0; m < mr; ++m)
+          std::memcpy(yp + (m0 + m) * P.N + blk * kBlock, ybuf + m * kBlock, kBlock * sizeof(float));
+      }
+    }
+  });
+  return y;
+}
+
+// ------------------------------------------------ dequantize: W^T [K, N] for the prefill GEMM
+// w = q * s + (z - 8s) in fp32, the kernel's own terms. One block's 16 rows are 16 adjacent
+// columns of W^T, so each code slot becomes one contiguous 16-wide store.
+
+constexpr int64_t kDequantTile = 16;  // blocks
+
+// A fresh W^T is new memory every call: first-touch faults on 4 KiB pages cost 6 ms per 32 MiB
+// here, more than the dequantize itself. Asking for transparent huge pages (this kernel's
+// THP mode is `madvise`) makes them 512x fewer.
+void advise_huge_pages(void* data, size_t bytes) {
+  constexpr uintptr_t kHuge = 2u << 20;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+}
+
+struct Dequant {
+  const int32_t* packed;
+  const uint16_t* sz;
+  int64_t K, N, G, g;
+  float* out32;         // W^T fp32, or
+  uint16_t* out16;      // W^T bf16 bits
+};
+
+AVX512_BF16 void dequant_step_avx512(const Dequant& D, int64_t blk, int64_t c) {
+  const __m512i low4 = _mm512_set1_epi32(0x0F);
+  const int32_t* wb = D.packed + blk * (D.K / kStep) * kBlock;
+  {
+    const uint16_t* szg = D.sz + (blk * D.G + c * kStep / D.g) * 2 * kBlock;
+    const __m512 s = load_bf16x16(szg);
+    const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, load_bf16x16(szg + kBlock));
+    const __m512i codes = _mm512_loadu_si512(wb + c * kBlock);
+    for (int slot = 0; slot < kStep; ++slot) {
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(codes, 4 * slot), low4));
+      const __m512 w = _mm512_fmadd_ps(q, s, offset);
+      const int64_t at = (c * kStep + kSlotK[slot]) * D.N + blk * kBlock;
+      if (D.out32 != nullptr)
+        _mm512_storeu_ps(D.out32 + at, w);
+      else
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(D.out16 + at), (__m256i)_mm512_cvtneps_pbh(w));
+    }
+  }
+}
+
+// Portable, compiled for AVX2 so the loops over 16 lanes vectorize; bf16 rounding as at::BFloat16.
+AVX2 void dequant_step_avx2(const Dequant& D, int64_t blk, int64_t c) {
+  const int32_t* wb = D.packed + blk * (D.K / kStep) * kBlock;
+  float s[kBlock], offset[kBlock], col[kBlock];
+  {
+    const uint16_t* szg = D.sz + (blk * D.G + c * kStep / D.g) * 2 * kBlock;
+    for (int j = 0; j < kBlock; ++j) {
+      s[j] = bf16_to_float(szg[j]);
+      offset[j] = bf16_to_float(szg[kBlock + j]) - 8.0f * s[j];
+    }
+    const int32_t* lanes = wb + c * kBlock;
+    for (int slot = 0; slot < kStep; ++slot) {
+      for (int j = 0; j < kBlock; ++j) col[j] = static_cast<float>((lanes[j] >> (4 * slot)) & 0x0F) * s[j] + offset[j];
+      const int64_t at = (c * kStep + kSlotK[slot]) * D.N + blk * kBlock;
+      if (D.out32 != nullptr)
+        std::memcpy(D.out32 + at, col, sizeof(col));
+      else
+        for (int j = 0; j < kBlock; ++j) D.out16[at + j] = c10::BFloat16(col[j]).x;
+    }
+  }
+}
+
+at::Tensor int4_dequantize_t(const at::Tensor& packed, const at::Tensor& sz, int64_t group_size,
+                             at::ScalarType dtype, int64_t isa) {
+  check_weights(packed, sz, group_size);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "cpu_int4 native: dequantize to fp32 or bf16");
+  TORCH_CHECK(isa == 1 || isa == 2, "cpu_int4 native: isa must be 1 (AVX2) or 2 (AVX-512 BF16)");
+  const int64_t blocks = packed.size(0), K = packed.size(1) * kStep, N = blocks * kBlock;
+  at::Tensor wt = at::empty({K, N}, packed.options().dtype(dtype));
+  advise_huge_pages(wt.data_ptr(), wt.nbytes());
+  const Dequant D{packed.data_ptr<int32_t>(),
+                  reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>()),
+                  K, N, sz.size(1), group_size,
+                  dtype == at::kFloat ? wt.data_ptr<float>() : nullptr,
+                  dtype == at::kBFloat16 ? reinterpret_cast<uint16_t*>(wt.data_ptr<at::BFloat16>()) : nullptr};
+  const auto step_fn = isa == 2 ? dequant_step_avx512 : dequant_step_avx2;
+  // A tile of blocks at a time, steps outermost: each row of W^T then gets kDequantTile * 16
+  // adjacent columns in one go. Block by block, every 32-byte store landed on another page and
+  // the bf16 dequantize ran at 2 GB/s.
+  at::parallel_for(0, blocks, kDequantTile, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; tile += kDequantTile) {
+      for (int64_t c = 0; c < K / kStep; ++c)
+        for (int64_t blk = tile; blk < std::min(end, tile + kDequantTile); ++blk) step_fn(D, blk, c);
+    }
+  });
+  return wt;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(cpu_int4_native, m) {
+  m.def("gemv(Tensor x, Tensor packed, Tensor sz, int group_size, int isa) -> Tensor");
+  m.def("dequantize_t(Tensor packed, Tensor sz, int group_size, ScalarType dtype, int isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(cpu_int4_native, CPU, m) {
+  m.impl("gemv", int4_gemv);
+  m.impl("dequantize_t", int4_dequantize_t);
+}

@@ -14,7 +14,7 @@ export HF_HUB_DISABLE_TELEMETRY = 1
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile runtime/cpu_int4_vllm/int4_gemv.cpp
+$(STAMP): pyproject.toml Makefile runtime/cpu_int4_vllm/int4_kernels.cpp
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[serve,dev]'

@@ -63,7 +63,10 @@ def check_paths(n: int, k: int, g: int) -> None:
     decode = int4_linear(x, kernel_packed, sz, g, dequant_threshold=2)
     prefill = int4_linear(x, kernel_packed, sz, g, dequant_threshold=1)
     exact = x.double() @ reference_w.double().t()
-    assert snr_db(prefill, decode) >= 80  # the same fp32 math: one function of the weights
+    # The same fp32 math, but summed in another order, and both outputs are rounded to bf16: a
+    # sum near a rounding boundary flips one element by one bf16 step (~76 dB for K=576). A
+    # misread layout gives ~0 dB.
+    assert snr_db(prefill, decode) >= 60
     assert snr_db(exact, decode) >= 40
 
 

@@ -1,4 +1,4 @@
-"""cpu_int4's own kernel (int4_gemv.cpp) against the reference dequantize-then-GEMM.
+"""cpu_int4's own kernels (int4_kernels.cpp) against the PyTorch definitions they stand in for.
 
 Both kernel paths run here: AVX2 on every x86 host, AVX-512 BF16 where the CPU has it.
 """
@@ -9,7 +9,7 @@ import pytest
 import torch
 from checks import DEMO_SHAPES, TAIL_SHAPES, quantized, snr_db
 from cpu_int4_vllm import native
-from cpu_int4_vllm.format import dequantize
+from cpu_int4_vllm.format import dequantize, quantize_minmax
 from cpu_int4_vllm.kernels import NATIVE_MAX_ROWS, native_linear
 from cpu_int4_vllm.native_layout import pack_native
 
@@ -88,7 +88,7 @@ def test_linear_paths_agree_across_the_row_threshold():
 
 
 def test_missing_library_is_reported(monkeypatch, tmp_path):
-    monkeypatch.setattr(native, "LIBRARY", tmp_path / "_int4_gemv.so")
+    monkeypatch.setattr(native, "LIBRARY", tmp_path / "_int4_kernels.so")
     assert "not built" in native.problem()
 
 
@@ -99,3 +99,42 @@ def test_bad_tensors_fail_with_a_message():
         gemv(torch.randn(1, 512).bfloat16(), lanes, sz, 128, native.AVX2)
     with pytest.raises(RuntimeError, match="x must be bf16"):
         gemv(torch.randn(1, 512), lanes, sz, 64, native.AVX2)
+
+
+def finite_bf16_bits(n: int, k: int, seed: int) -> torch.Tensor:
+    """Random bf16 bit patterns, every exponent included (subnormals, huge), NaN/Inf replaced."""
+    gen = torch.Generator().manual_seed(seed)
+    bits = torch.randint(0, 2**16, (n, k), generator=gen, dtype=torch.int32).to(torch.int16)
+    w = bits.view(torch.bfloat16).clone()
+    w[~torch.isfinite(w)] = 1.0
+    return w
+
+
+def edge_groups(k: int, g: int) -> torch.Tensor:
+    """Constant, signed-zero, extreme and tie-rounding groups."""
+    w = torch.randn(8, k).bfloat16()
+    w[0, :g] = 0.5
+    w[1, :g] = -0.0
+    w[2, :g] = 3.3e38
+    w[3, :g:2], w[3, 1:g:2] = 3.3e38, -3.3e38  # range overflows fp32 unless divided first
+    w[4] = torch.randint(-3, 3, (k,)).bfloat16()  # many codes exactly halfway
+    w[5] = (torch.randn(k) * 1e-39).bfloat16()  # subnormal
+    w[6] = (torch.randn(k) * 1e30).bfloat16()
+    return w
+
+
+@pytest.mark.parametrize("g", [32, 64, 128, 256])
+def test_native_quantize_is_bit_identical_to_the_format(g):
+    for w in (finite_bf16_bits(64, 512, g), edge_groups(512, g), torch.randn(80, 1536).bfloat16()):
+        expected = quantize_minmax(w, g)
+        got = torch.ops.cpu_int4_native.quantize_minmax(w, g)
+        for name, a, b in zip(("packed", "scale", "zero"), expected, got, strict=True):
+            assert torch.equal(a, b), name
+
+
+def test_native_quantize_refuses_nan_and_inf():
+    for bad in (float("nan"), float("inf")):
+        w = torch.randn(16, 64).bfloat16()
+        w[3, 5] = bad
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            torch.ops.cpu_int4_native.quantize_minmax(w, 32)

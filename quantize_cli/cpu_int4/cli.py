@@ -223,7 +223,7 @@ def print_summary(summary: Summary) -> None:
         out.print(f"  dropped {c.info.name} ({c.reason})")
     if not summary.dry_run:
         out.print(f"  copied {', '.join(summary.copied_files) or 'no other files'}")
-        out.print(f"  took {summary.seconds:.1f} s")
+        out.print(f"  took {summary.seconds:.2f} s")
     if summary.url:
         out.print(f"  pushed to {summary.url}")
 

@@ -7,6 +7,7 @@ never changes; they differ only in how each group's scale and offset are chosen.
 from __future__ import annotations
 
 import torch
+from cpu_int4_vllm import native
 from cpu_int4_vllm.format import MAX_CODE, ZERO_CODE, encode, quantize_minmax, round_to_codes
 
 # Range stretches tried by `search`: the code grid spans (15 + t) steps over the group's range,
@@ -131,7 +132,11 @@ def _stored_codes(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor)
 
 
 def _minmax(weight: torch.Tensor, group_size: int, channel_importance: torch.Tensor | None = None):
-    return quantize_minmax(weight, group_size)  # the extremes alone decide: no weighting
+    """The extremes alone decide (no weighting). bf16 weights take the compiled twin of
+    format.quantize_minmax: bit-identical (tests/test_native.py), ~10x the throughput."""
+    if weight.dtype == torch.bfloat16 and native.isa() is not None:
+        return torch.ops.cpu_int4_native.quantize_minmax(weight, group_size)
+    return quantize_minmax(weight, group_size)
 
 
 METHODS = {"minmax": _minmax, "search": quantize_search}

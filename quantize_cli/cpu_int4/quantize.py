@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +19,6 @@ from .checkpoint import (
     INDEX_NAME,
     WEIGHT_SUFFIXES,
     Checkpoint,
-    TensorInfo,
     TensorReader,
     open_checkpoint,
     resolve_model,
@@ -32,6 +33,8 @@ from .shards import OutputTensor, ShardWriter, parse_size
 # Rows are quantized in slices of about this many fp32 bytes, so memory does not grow with
 # the largest tensor (a 49152 x 4096 vocab table would be 0.8 GB in fp32 at once).
 SLICE_BYTES = 32 * 2**20
+READ_AHEAD = 2  # slices read before they are needed
+WRITE_BEHIND = 2  # slices whose outputs may still be waiting to be written
 # Files a user needs besides the weights; the source README is replaced by our model card.
 SKIPPED_FILES = {"config.json", INDEX_NAME, "README.md"}
 
@@ -130,55 +133,108 @@ def _outputs(plan: Plan) -> list[OutputTensor]:
     return tensors
 
 
+@dataclass(frozen=True)
+class _Slice:
+    """Rows start:stop of one source tensor, and what to do with them."""
+
+    choice: LayerChoice
+    start: int
+    stop: int
+
+
+def _slices(plan: Plan) -> list[_Slice]:
+    """The work in order: every kept or quantized tensor cut into slices of ~SLICE_BYTES."""
+    slices = []
+    for c in plan.choices:
+        if c.action not in ("quantize", "keep"):
+            continue
+        if c.action == "quantize":
+            n, k = c.info.shape
+            step = max(1, SLICE_BYTES // (4 * k))  # fp32 bytes: the torch methods widen rows to fp32
+        else:
+            n, step = c.info.nbytes, SLICE_BYTES  # kept tensors are copied as bytes
+        slices += [_Slice(c, start, min(n, start + step)) for start in range(0, n, step)]
+    return slices
+
+
 def _write_weights(
     ckpt: Checkpoint, plan: Plan, tmp: Path, shard_bytes: int, method, progress: Progress | None
 ) -> None:
+    """Read ahead on one thread, quantize here, write behind on another: disk and CPU overlap.
+
+    At most READ_AHEAD slices are read and WRITE_BEHIND slices' outputs pending, so memory stays
+    flat in model size.
+    """
     writer = ShardWriter(tmp, _outputs(plan), shard_bytes)
     by_name = {t.name: t for t in ckpt.tensors}
     names = set(by_name)
     offset = norm_offset(ckpt.config)
+    slices = _slices(plan)
     try:
-        with TensorReader() as reader:
-            for c in plan.choices:
-                if c.action == "quantize":
-                    norm = input_norm(c.module, plan.tied, names)
-                    # An input channel's importance is its squared RMSNorm gain.
-                    gain = None if norm is None else reader.rows(by_name[norm], 0, by_name[norm].shape[0])
-                    channel = None if gain is None else (gain.float() + offset) ** 2
-                    _quantize_layer(reader, writer, c, plan.group_size, method, channel)
-                elif c.action == "keep":
-                    _copy_tensor(reader, writer, c.info)
+        with TensorReader() as reader, ThreadPoolExecutor(1) as reads, ThreadPoolExecutor(1) as writes:
+            gains: dict[str, torch.Tensor] = {}  # touched by the read thread only
+
+            def read(piece: _Slice) -> tuple[torch.Tensor, torch.Tensor | None]:
+                """A slice's source bytes or rows, and its layer's input-channel importance."""
+                c = piece.choice
+                if c.action == "keep":
+                    return reader.raw(c.info, piece.start, piece.stop - piece.start), None
+                norm = input_norm(c.module, plan.tied, names)
+                if norm is None:
+                    return reader.rows(c.info, piece.start, piece.stop), None
+                if norm not in gains:
+                    gains[norm] = reader.rows(by_name[norm], 0, by_name[norm].shape[0])
+                # An input channel's importance is its squared RMSNorm gain.
+                channel = (gains[norm].float() + offset) ** 2
+                return reader.rows(c.info, piece.start, piece.stop), channel
+
+            ahead = deque(reads.submit(read, piece) for piece in slices[:READ_AHEAD])
+            behind: deque = deque()
+            for i, piece in enumerate(slices):
+                data, channel = ahead.popleft().result()
+                if i + READ_AHEAD < len(slices):
+                    ahead.append(reads.submit(read, slices[i + READ_AHEAD]))
+                c = piece.choice
+                if c.action == "keep":
+                    outputs = [(c.info.name, data, piece.start)]
+                else:
+                    outputs = _quantize_slice(c, piece.start, data, plan.group_size, method, channel)
+                behind.append(writes.submit(_write_all, writer, outputs))
+                while len(behind) > WRITE_BEHIND:
+                    behind.popleft().result()
                 if progress:
-                    progress(c.info.nbytes, ckpt.nbytes)
+                    row_bytes = 1 if c.action == "keep" else c.info.nbytes // c.info.shape[0]
+                    progress((piece.stop - piece.start) * row_bytes, ckpt.nbytes)
+            for pending in behind:
+                pending.result()
     finally:
         writer.close()
     writer.write_index(tmp)
 
 
-def _copy_tensor(reader: TensorReader, writer: ShardWriter, info: TensorInfo) -> None:
-    for begin in range(0, info.nbytes, SLICE_BYTES):
-        size = min(SLICE_BYTES, info.nbytes - begin)
-        writer.write(info.name, reader.raw(info, begin, size), begin)
+def _write_all(writer: ShardWriter, outputs: list[tuple[str, torch.Tensor, int]]) -> None:
+    for name, tensor, byte_offset in outputs:
+        writer.write(name, tensor, byte_offset)
 
 
-def _quantize_layer(
-    reader: TensorReader,
-    writer: ShardWriter,
+def _quantize_slice(
     c: LayerChoice,
+    start: int,
+    rows: torch.Tensor,
     group_size: int,
     method,
     channel_importance: torch.Tensor | None,
-) -> None:
-    n, k = c.info.shape
-    rows_per_slice = max(1, SLICE_BYTES // (4 * k))
-    for start in range(0, n, rows_per_slice):
-        rows = reader.rows(c.info, start, min(n, start + rows_per_slice))
-        if not torch.isfinite(rows).all():
-            raise QuantizeError(f"tensor {c.info.name} contains NaN or Inf; refusing to quantize it")
-        packed, scale, zero = method(rows, group_size, channel_importance)
-        writer.write(f"{c.module}.{PACKED_SUFFIX}", packed, start * (k // 2))
-        writer.write(f"{c.module}.{SCALE_SUFFIX}", scale, start * (k // group_size) * 2)
-        writer.write(f"{c.module}.{ZERO_SUFFIX}", zero, start * (k // group_size) * 2)
+) -> list[tuple[str, torch.Tensor, int]]:
+    """The three output tensors' rows for source rows start:..., with their byte offsets."""
+    k = c.info.shape[1]
+    if not torch.isfinite(rows).all():
+        raise QuantizeError(f"tensor {c.info.name} contains NaN or Inf; refusing to quantize it")
+    packed, scale, zero = method(rows, group_size, channel_importance)
+    return [
+        (f"{c.module}.{PACKED_SUFFIX}", packed, start * (k // 2)),
+        (f"{c.module}.{SCALE_SUFFIX}", scale, start * (k // group_size) * 2),
+        (f"{c.module}.{ZERO_SUFFIX}", zero, start * (k // group_size) * 2),
+    ]
 
 
 def quantization_config(plan: Plan, method: str) -> dict:

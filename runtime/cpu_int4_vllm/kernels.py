@@ -1,6 +1,6 @@
 """The int4 linear: an int4 kernel for decode rows, dequantize + dense GEMM for prefill.
 
-Two kernels: cpu_int4's own (native.py, int4_gemv.cpp) when it is built, PyTorch's tinygemm
+Two kernels: cpu_int4's own (native.py, int4_kernels.cpp) when it is built, PyTorch's tinygemm
 otherwise. Each has its own weight layout; build_kernel_weights in linear.py picks one per process.
 
 Behind a registered custom op with a fake implementation, so torch.compile sees one opaque call

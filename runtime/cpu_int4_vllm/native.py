@@ -1,4 +1,4 @@
-"""cpu_int4's own compiled decode kernel (int4_gemv.cpp): build it once, load it, call it.
+"""cpu_int4's own compiled kernels (int4_kernels.cpp): build them once, load them.
 
 PyTorch's tinygemm kernel streams only ~5-6 GB/s of packed weights on 2 cores, which caps
 decode near 2x bf16 (issue 6); this kernel keeps one SIMD lane per output row and streams
@@ -21,8 +21,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("int4_gemv.cpp")
-LIBRARY = Path(__file__).with_name("_int4_gemv.so")
+SOURCE = Path(__file__).with_name("int4_kernels.cpp")
+LIBRARY = Path(__file__).with_name("_int4_kernels.so")
 AVX512_BF16, AVX2 = 2, 1  # the kernel's isa argument
 
 
@@ -38,6 +38,7 @@ def build(output: Path = LIBRARY) -> Path:
             "-O3",
             "-std=c++20",
             "-Wno-psabi",  # the SIMD helpers pass vectors between functions of one ISA only
+            "-ffp-contract=off",  # the quantizer must round exactly as PyTorch does
             "-shared",
             "-fPIC",
             "-fopenmp",  # at::parallel_for runs on torch's own OpenMP pool (same libgomp soname)
@@ -87,8 +88,13 @@ def isa() -> int | None:
         except OSError as err:
             reason = f"{LIBRARY.name} failed to load: {err}"
     if reason is not None:
-        logger.warning("cpu_int4: native kernel unavailable (%s); using PyTorch's int4 kernel", reason)
+        logger.warning("cpu_int4: native kernels unavailable (%s); using the PyTorch paths", reason)
         return None
+    # vLLM's CPU attention uses AMX tiles but leaves asking Linux for them (per process) to
+    # oneDNN's first bf16 GEMM. With decode and short prompts on this kernel that GEMM may never
+    # run, and the attention died with SIGILL on the first request; so ask here.
+    if torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()
     return host_isa()
 
 

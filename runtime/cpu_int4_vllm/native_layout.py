@@ -1,4 +1,4 @@
-"""The native kernel's weight layout (int4_gemv.cpp), built from the checkpoint's tensors.
+"""The native kernel's weight layout (int4_kernels.cpp), built from the checkpoint's tensors.
 
 Unlike tinygemm's, this layout is ours and the same on every ISA, so it is written down here
 rather than learned: 16 output rows per block, one per SIMD lane; each int32 lane holds 8

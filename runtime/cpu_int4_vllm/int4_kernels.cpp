@@ -1,4 +1,5 @@
-// cpu_int4's own decode kernel: y = x @ W^T for a few bf16 rows x, W in 4-bit groups.
+// cpu_int4's own kernels: the decode GEMV y = x @ W^T for a few bf16 rows x with W in 4-bit
+// groups, the dequantize for prefill, and the quantizer's min/max quantize.
 //
 // Runtime layout (built by layout.pack_native from the checkpoint's row-major nibbles; nothing
 // on disk changes):
@@ -24,6 +25,10 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <tuple>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -297,14 +302,92 @@ at::Tensor int4_dequantize_t(const at::Tensor& packed, const at::Tensor& sz, int
   return wt;
 }
 
+// ------------------------------------------------ min/max quantize (the quantizer's hot loop)
+// Bit for bit what format.quantize_minmax computes in PyTorch, one pass per group instead of a
+// dozen whole-tensor passes (0.2 GB/s of bf16 input on 2 cores). Operation by operation with
+// the same roundings: no FMA contraction (-ffp-contract=off), x/15 divided, not multiplied by
+// a reciprocal, round half to even.
+
+AVX2 inline __m256 load_bf16x8_as_float(const uint16_t* p) { return load_bf16x8(p); }
+
+// One group of g bf16 weights -> g/2 packed bytes, scale and zero (bf16 bits). False if a
+// weight is NaN or infinite.
+AVX2 bool quantize_group(const uint16_t* w, int64_t g, uint8_t* packed, uint16_t* scale_out, uint16_t* zero_out) {
+  const __m256i exponent = _mm256_set1_epi32(0x7F800000);
+  __m256 lo = _mm256_set1_ps(INFINITY), hi = _mm256_set1_ps(-INFINITY);
+  __m256i special = _mm256_setzero_si256();
+  for (int64_t i = 0; i < g; i += 8) {
+    const __m256 v = load_bf16x8_as_float(w + i);
+    special = _mm256_or_si256(special, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), exponent), exponent));
+    lo = _mm256_min_ps(lo, v);
+    hi = _mm256_max_ps(hi, v);
+  }
+  if (!_mm256_testz_si256(special, special)) return false;
+  float lows[8], highs[8];
+  _mm256_storeu_ps(lows, lo);
+  _mm256_storeu_ps(highs, hi);
+  float low = lows[0], high = highs[0];
+  for (int j = 1; j < 8; ++j) {
+    low = std::min(low, lows[j]);
+    high = std::max(high, highs[j]);
+  }
+  const float scale = std::max(high / 15.0f - low / 15.0f, std::numeric_limits<float>::min());
+  const float zero = low + 8.0f * scale;
+  const c10::BFloat16 scale16(scale), zero16(zero);  // round to nearest even, as .to(bfloat16)
+  *scale_out = scale16.x;
+  *zero_out = zero16.x;
+  const float inv = 1.0f / static_cast<float>(scale16);
+  const float shift = 8.0f - static_cast<float>(zero16) * inv;
+  const __m256 vinv = _mm256_set1_ps(inv), vshift = _mm256_set1_ps(shift);
+  const __m256 vmax = _mm256_set1_ps(15.0f), vmid = _mm256_set1_ps(8.0f);
+  for (int64_t i = 0; i < g; i += 8) {
+    __m256 steps = _mm256_add_ps(_mm256_mul_ps(load_bf16x8_as_float(w + i), vinv), vshift);
+    steps = _mm256_blendv_ps(steps, vmid, _mm256_cmp_ps(steps, steps, _CMP_UNORD_Q));  // inf - inf -> 8
+    steps = _mm256_round_ps(steps, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i codes = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(steps, _mm256_setzero_ps()), vmax));
+    // Pair lanes (2j, 2j+1) into one byte, low nibble first.
+    const __m256i pairs = _mm256_or_si256(codes, _mm256_srli_epi64(codes, 28));
+    alignas(32) uint32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), pairs);
+    for (int j = 0; j < 4; ++j) packed[i / 2 + j] = static_cast<uint8_t>(lanes[2 * j]);
+  }
+  return true;
+}
+
+// (packed uint8 [N, K/2], scale bf16 [N, K/g], zero bf16 [N, K/g]) of bf16 weights [N, K].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_quantize_minmax(const at::Tensor& weight, int64_t group_size) {
+  TORCH_CHECK(weight.dtype() == at::kBFloat16 && weight.dim() == 2, "cpu_int4 native: quantize takes bf16 [N, K]");
+  TORCH_CHECK(group_size % 8 == 0 && group_size > 0 && weight.size(1) % group_size == 0,
+              "cpu_int4 native: K=", weight.size(1), " is not a multiple of group size ", group_size);
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), G = K / group_size;
+  at::Tensor packed = at::empty({N, K / 2}, w.options().dtype(at::kByte));
+  at::Tensor scale = at::empty({N, G}, w.options());
+  at::Tensor zero = at::empty({N, G}, w.options());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  uint8_t* pp = packed.data_ptr<uint8_t>();
+  uint16_t* sp = reinterpret_cast<uint16_t*>(scale.data_ptr<at::BFloat16>());
+  uint16_t* zp = reinterpret_cast<uint16_t*>(zero.data_ptr<at::BFloat16>());
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, N * G, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (!quantize_group(wp + i * group_size, group_size, pp + i * group_size / 2, sp + i, zp + i)) finite = false;
+    }
+  });
+  TORCH_CHECK_VALUE(finite.load(), "cpu_int4 native: weight contains NaN or Inf");
+  return {packed, scale, zero};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(cpu_int4_native, m) {
   m.def("gemv(Tensor x, Tensor packed, Tensor sz, int group_size, int isa) -> Tensor");
   m.def("dequantize_t(Tensor packed, Tensor sz, int group_size, ScalarType dtype, int isa) -> Tensor");
+  m.def("quantize_minmax(Tensor weight, int group_size) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(cpu_int4_native, CPU, m) {
   m.impl("gemv", int4_gemv);
   m.impl("dequantize_t", int4_dequantize_t);
+  m.impl("quantize_minmax", int4_quantize_minmax);
 }

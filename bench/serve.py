@@ -1,0 +1,160 @@
+"""Decode, prefill, memory and engine start: vLLM bf16 vs cpu_int4, side by side.
+
+    .venv/bin/python bench/serve.py [--rounds 3] [--layers 4]
+
+The model: 4 Llama-2-7B-shaped layers (hidden 4096, MLP 11008, vocab 49152, untied head),
+random bf16 weights (bench/synthetic.py), and its `cpu-int4 quantize` output (g64). Each
+measurement is a fresh process per model, interleaved (bf16, int4, int4, bf16, ...), eager,
+2 threads. Decode: tokens/s over 128 greedy tokens at batch 1 (the first token's time, i.e. the
+prefill, taken out). Prefill: a 512-token prompt, time to its first token. Memory: RSS of the
+serving processes after load, and the bytes the model's parameters hold. Prints medians with
+their spread (min-max) and the cpu_int4 / bf16 ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from synthetic import build_synthetic  # noqa: E402
+
+CACHE = Path(__file__).resolve().parent.parent / ".cache"
+DECODE_TOKENS = 128
+PREFILL_TOKENS = 512
+WORKER_TIMEOUT_S = 900
+# (key, label, higher is better)
+METRICS = [
+    ("decode_tok_s", "decode tok/s (batch 1, 128 tokens)", True),
+    ("prefill_tok_s", f"prefill tok/s ({PREFILL_TOKENS}-token prompt)", True),
+    ("weights_gb", "weights held (GB)", False),
+    ("rss_gb", "RSS of serving processes after load (GB)", False),
+    ("start_s", "engine start (s)", False),
+]
+
+
+def measure(model: str) -> dict:
+    """One model in this process: start the engine, then time decode and prefill."""
+    import psutil
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    start = time.perf_counter()
+    llm = LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=2048,
+        enable_prefix_caching=False,
+        seed=0,
+    )
+    start_s = time.perf_counter() - start
+    me = psutil.Process()
+    rss = sum(p.memory_info().rss for p in [me, *me.children(recursive=True)])
+    weights = llm.apply_model(lambda m: sum(p.nbytes for p in m.parameters()))[0]
+    gen = torch.Generator().manual_seed(0)
+
+    def timed(prompt_len: int, max_tokens: int) -> float:
+        ids = torch.randint(100, 40000, (prompt_len,), generator=gen).tolist()
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+        begin = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == max_tokens
+        return time.perf_counter() - begin
+
+    timed(16, 8)  # warm-up
+    first = min(timed(16, 1) for _ in range(3))
+    decode_s = timed(16, DECODE_TOKENS + 1) - first
+    prefill_s = min(timed(PREFILL_TOKENS, 1) for _ in range(2))
+    return {
+        "decode_tok_s": DECODE_TOKENS / decode_s,
+        "prefill_tok_s": PREFILL_TOKENS / prefill_s,
+        "weights_gb": weights / 1e9,
+        "rss_gb": rss / 1e9,
+        "start_s": start_s,
+    }
+
+
+def run_worker(model: Path) -> dict:
+    env = {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    done = subprocess.run(
+        [sys.executable, __file__, "--worker", str(model)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=WORKER_TIMEOUT_S,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"worker for {model} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def prepared_models(layers: int) -> dict[str, Path]:
+    from cpu_int4.quantize import quantize
+
+    bf16 = build_synthetic(CACHE / f"synthetic-7b-shapes-{layers}l", layers)
+    int4 = CACHE / f"synthetic-7b-shapes-{layers}l-cpu_int4"
+    if not (int4 / "config.json").is_file():
+        quantize(str(bf16), int4)
+    return {"vLLM bf16": bf16, "vLLM cpu_int4": int4}
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def print_table(results: dict[str, list[dict]]) -> None:
+    (bf16_name, bf16), (int4_name, int4) = results.items()
+    print(f"| metric | {bf16_name} | {int4_name} | cpu_int4 / bf16 |")
+    print("|---|---|---|---|")
+    for key, label, _ in METRICS:
+        a = [r[key] for r in bf16]
+        b = [r[key] for r in int4]
+        ratio = statistics.median(b) / statistics.median(a)
+        print(f"| {label} | {spread(a)} | {spread(b)} | {ratio:.2f}x |")
+    print(f"\nmedian (min-max) of {len(bf16)} rounds, each a fresh process, models interleaved")
+
+
+def llama_cpp_note() -> str:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return "llama_cpp is not importable here: no llama.cpp rows (its wheel compiles for 15+ min)"
+    return "llama_cpp is importable, but llama.cpp rows are not implemented in this script yet"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(measure(args.worker)), flush=True)
+        return
+    models = prepared_models(args.layers)
+    results: dict[str, list[dict]] = {name: [] for name in models}
+    for round_ in range(args.rounds):
+        order = list(models) if round_ % 2 == 0 else list(reversed(models))
+        for name in order:
+            results[name].append(run_worker(models[name]))
+            print(f"round {round_ + 1} {name}: {results[name][-1]}", file=sys.stderr, flush=True)
+    print_table(results)
+    print(llama_cpp_note())
+
+
+if __name__ == "__main__":
+    main()

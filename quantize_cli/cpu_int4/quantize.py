@@ -25,7 +25,7 @@ from .checkpoint import (
 )
 from .errors import QuantizeError
 from .hub import download, looks_like_hub_id, push
-from .methods import METHODS
+from .methods import METHODS, NonFiniteWeights
 from .outdir import OutputDir
 from .plan import LayerChoice, Plan, compile_patterns, input_norm, make_plan, norm_offset
 from .shards import OutputTensor, ShardWriter, parse_size
@@ -227,9 +227,10 @@ def _quantize_slice(
 ) -> list[tuple[str, torch.Tensor, int]]:
     """The three output tensors' rows for source rows start:..., with their byte offsets."""
     k = c.info.shape[1]
-    if not torch.isfinite(rows).all():
-        raise QuantizeError(f"tensor {c.info.name} contains NaN or Inf; refusing to quantize it")
-    packed, scale, zero = method(rows, group_size, channel_importance)
+    try:
+        packed, scale, zero = method(rows, group_size, channel_importance)
+    except NonFiniteWeights as err:
+        raise QuantizeError(f"tensor {c.info.name} contains NaN or Inf; refusing to quantize it") from err
     return [
         (f"{c.module}.{PACKED_SUFFIX}", packed, start * (k // 2)),
         (f"{c.module}.{SCALE_SUFFIX}", scale, start * (k // group_size) * 2),

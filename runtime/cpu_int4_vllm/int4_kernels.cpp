@@ -308,8 +308,6 @@ at::Tensor int4_dequantize_t(const at::Tensor& packed, const at::Tensor& sz, int
 // the same roundings: no FMA contraction (-ffp-contract=off), x/15 divided, not multiplied by
 // a reciprocal, round half to even.
 
-AVX2 inline __m256 load_bf16x8_as_float(const uint16_t* p) { return load_bf16x8(p); }
-
 // One group of g bf16 weights -> g/2 packed bytes, scale and zero (bf16 bits). False if a
 // weight is NaN or infinite.
 AVX2 bool quantize_group(const uint16_t* w, int64_t g, uint8_t* packed, uint16_t* scale_out, uint16_t* zero_out) {
@@ -317,7 +315,7 @@ AVX2 bool quantize_group(const uint16_t* w, int64_t g, uint8_t* packed, uint16_t
   __m256 lo = _mm256_set1_ps(INFINITY), hi = _mm256_set1_ps(-INFINITY);
   __m256i special = _mm256_setzero_si256();
   for (int64_t i = 0; i < g; i += 8) {
-    const __m256 v = load_bf16x8_as_float(w + i);
+    const __m256 v = load_bf16x8(w + i);
     special = _mm256_or_si256(special, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), exponent), exponent));
     lo = _mm256_min_ps(lo, v);
     hi = _mm256_max_ps(hi, v);
@@ -341,7 +339,7 @@ AVX2 bool quantize_group(const uint16_t* w, int64_t g, uint8_t* packed, uint16_t
   const __m256 vinv = _mm256_set1_ps(inv), vshift = _mm256_set1_ps(shift);
   const __m256 vmax = _mm256_set1_ps(15.0f), vmid = _mm256_set1_ps(8.0f);
   for (int64_t i = 0; i < g; i += 8) {
-    __m256 steps = _mm256_add_ps(_mm256_mul_ps(load_bf16x8_as_float(w + i), vinv), vshift);
+    __m256 steps = _mm256_add_ps(_mm256_mul_ps(load_bf16x8(w + i), vinv), vshift);
     steps = _mm256_blendv_ps(steps, vmid, _mm256_cmp_ps(steps, steps, _CMP_UNORD_Q));  // inf - inf -> 8
     steps = _mm256_round_ps(steps, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256i codes = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(steps, _mm256_setzero_ps()), vmax));

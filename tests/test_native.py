@@ -71,20 +71,22 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch(isa):
 def test_dequantize_is_the_format_exactly(g, dtype, isa):
     packed, scale, zero = quantized(2080, 512, g)
     lanes, sz = pack_native(packed, scale, zero)
-    weight_t = torch.ops.cpu_int4_native.dequantize_t(lanes, sz, g, dtype, isa)
+    weight_t = torch.empty(512, 2080, dtype=dtype)
+    torch.ops.cpu_int4_native.dequantize_t(lanes, sz, g, isa, weight_t)
     assert torch.equal(weight_t, dequantize(packed, scale, zero, g, torch.float32).t().to(dtype))
 
 
-def test_linear_paths_agree_across_the_row_threshold():
-    packed, scale, zero = quantized(576, 1536, 64)
+@pytest.mark.parametrize("n", [576, 2080])  # 2080 rows: W^T is dequantized in three slices
+def test_linear_paths_agree_across_the_row_threshold(n):
+    packed, scale, zero = quantized(n, 1536, 64)
     lanes, sz = pack_native(packed, scale, zero)
     x = torch.randn(2, 300, 1536).bfloat16()
     ref = reference(x.reshape(-1, 1536), packed, scale, zero, 64)
     for rows in (1, NATIVE_MAX_ROWS - 1, NATIVE_MAX_ROWS, 256, 600):
         out = native_linear(x.reshape(-1, 1536)[:rows], lanes, sz, 64)
-        assert out.dtype == torch.bfloat16 and out.shape == (rows, 576)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
         assert snr_db(ref[:rows], out) > 45  # bf16 output rounding bounds this at ~52 dB
-    assert native_linear(x, lanes, sz, 64).shape == (2, 300, 576)
+    assert native_linear(x, lanes, sz, 64).shape == (2, 300, n)
 
 
 def test_missing_library_is_reported(monkeypatch, tmp_path):

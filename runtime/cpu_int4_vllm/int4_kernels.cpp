@@ -22,7 +22,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <atomic>
@@ -216,16 +215,6 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
 
 constexpr int64_t kDequantTile = 16;  // blocks
 
-// A fresh W^T is new memory every call: first-touch faults on 4 KiB pages cost 6 ms per 32 MiB
-// here, more than the dequantize itself. Asking for transparent huge pages (this kernel's
-// THP mode is `madvise`) makes them 512x fewer.
-void advise_huge_pages(void* data, size_t bytes) {
-  constexpr uintptr_t kHuge = 2u << 20;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-}
-
 struct Dequant {
   const int32_t* packed;
   const uint16_t* sz;
@@ -276,14 +265,17 @@ AVX2 void dequant_step_avx2(const Dequant& D, int64_t blk, int64_t c) {
   }
 }
 
-at::Tensor int4_dequantize_t(const at::Tensor& packed, const at::Tensor& sz, int64_t group_size,
-                             at::ScalarType dtype, int64_t isa) {
+// Into `out` (W^T [K, N], fp32 or bf16, contiguous): the caller reuses one buffer, as a
+// fresh 32 MiB W^T each call cost more in first-touch page faults than the dequantize itself.
+void int4_dequantize_t(const at::Tensor& packed, const at::Tensor& sz, int64_t group_size, int64_t isa,
+                       at::Tensor& wt) {
   check_weights(packed, sz, group_size);
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "cpu_int4 native: dequantize to fp32 or bf16");
   TORCH_CHECK(isa == 1 || isa == 2, "cpu_int4 native: isa must be 1 (AVX2) or 2 (AVX-512 BF16)");
   const int64_t blocks = packed.size(0), K = packed.size(1) * kStep, N = blocks * kBlock;
-  at::Tensor wt = at::empty({K, N}, packed.options().dtype(dtype));
-  advise_huge_pages(wt.data_ptr(), wt.nbytes());
+  const at::ScalarType dtype = wt.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "cpu_int4 native: dequantize to fp32 or bf16");
+  TORCH_CHECK(wt.dim() == 2 && wt.size(0) == K && wt.size(1) == N && wt.is_contiguous(),
+              "cpu_int4 native: out must be contiguous [K, N]");
   const Dequant D{packed.data_ptr<int32_t>(),
                   reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>()),
                   K, N, sz.size(1), group_size,
@@ -299,7 +291,6 @@ at::Tensor int4_dequantize_t(const at::Tensor& packed, const at::Tensor& sz, int
         for (int64_t blk = tile; blk < std::min(end, tile + kDequantTile); ++blk) step_fn(D, blk, c);
     }
   });
-  return wt;
 }
 
 // ------------------------------------------------ min/max quantize (the quantizer's hot loop)
@@ -380,7 +371,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_quantize_minmax(const at::Te
 
 TORCH_LIBRARY(cpu_int4_native, m) {
   m.def("gemv(Tensor x, Tensor packed, Tensor sz, int group_size, int isa) -> Tensor");
-  m.def("dequantize_t(Tensor packed, Tensor sz, int group_size, ScalarType dtype, int isa) -> Tensor");
+  m.def("dequantize_t(Tensor packed, Tensor sz, int group_size, int isa, Tensor(a!) out) -> ()");
   m.def("quantize_minmax(Tensor weight, int group_size) -> (Tensor, Tensor, Tensor)");
 }
 

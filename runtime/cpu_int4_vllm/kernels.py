@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from . import native
 from .format import ZERO_CODE, dequantize, unpack_nibbles
 from .layout import learn_layout, pack_for_kernel, unpack_kernel_codes, unpack_kernel_codes_t
+from .native_layout import BLOCK_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ FP32_MAX_ROWS = 256  # multi-row batches up to this size compute in fp32 (see in
 # above one row; on 2 cores (4096x4096, g64) it still beat dequantize + fp32 GEMM at 64 rows
 # (12.9 vs ~20 ms) and tied it near 256. Below this many rows it also keeps batches invariant.
 NATIVE_MAX_ROWS = 64
+DEQUANT_SLICE_BLOCKS = 64  # 1024 columns of W^T per slice: 8-22 MiB for K = 4096-11008 in bf16
 
 
 def _dense_dtype(rows: int) -> torch.dtype:
@@ -139,17 +141,44 @@ def native_linear(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group
     """y = x @ W.T for bf16 x [..., K] on the native kernel's layout (native_layout.py).
 
     Fewer than NATIVE_MAX_ROWS rows take the kernel (no AMX, so multi-row calls are safe);
-    more dequantize W^T once and use the dense GEMM.
+    more dequantize W^T a slice of columns at a time and use the dense GEMM on each.
     """
     rows = x.reshape(-1, x.shape[-1])
     isa = native.isa()
     if rows.shape[0] < NATIVE_MAX_ROWS:
         out = torch.ops.cpu_int4_native.gemv(rows, packed, sz, group_size, isa).to(rows.dtype)
     else:
-        dtype = _dense_dtype(rows.shape[0])
-        weight_t = torch.ops.cpu_int4_native.dequantize_t(packed, sz, group_size, dtype, isa)
-        out = (rows.to(dtype) @ weight_t).to(rows.dtype)
+        out = _dequantized_gemm(rows, packed, sz, group_size, isa)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _dequantized_gemm(rows: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int, isa: int):
+    """rows @ W^T, W^T dequantized DEQUANT_SLICE_BLOCKS * 16 columns at a time into one reused
+    buffer. On 2 cores (512 rows x 4096 x 4096) this took 10.7 ms against 20.9 ms for the whole
+    W^T in fresh memory (first-touch page faults, then a second trip through DRAM); bf16
+    F.linear took 9.5 ms."""
+    dtype = _dense_dtype(rows.shape[0])
+    k, blocks = rows.shape[1], packed.shape[0]
+    x = rows.to(dtype)
+    out = rows.new_empty(rows.shape[0], blocks * BLOCK_ROWS)
+    buffer = _workspace(dtype, k * min(blocks, DEQUANT_SLICE_BLOCKS) * BLOCK_ROWS)
+    for start in range(0, blocks, DEQUANT_SLICE_BLOCKS):
+        stop = min(blocks, start + DEQUANT_SLICE_BLOCKS)
+        weight_t = buffer[: k * (stop - start) * BLOCK_ROWS].view(k, -1)
+        torch.ops.cpu_int4_native.dequantize_t(packed[start:stop], sz[start:stop], group_size, isa, weight_t)
+        out[:, start * BLOCK_ROWS : stop * BLOCK_ROWS] = x @ weight_t
+    return out
+
+
+_WORKSPACES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _workspace(dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """A per-process scratch buffer of at least `numel` elements, grown when needed."""
+    buffer = _WORKSPACES.get(dtype)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _WORKSPACES[dtype] = torch.empty(numel, dtype=dtype)
+    return buffer
 
 
 @torch.library.custom_op("cpu_int4::native_linear", mutates_args=())

@@ -36,3 +36,24 @@ def int4_memory_report(model: torch.nn.Module) -> dict:
     head = getattr(model, "lm_head", None)
     head_name = next((n for n, m in model.named_modules() if m is head), None)
     return {"modules": modules, "lm_head_module": head_name}
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights the model holds: its parameters (shared ones once), plus every linear
+    weight vLLM's CPU path moved out of its module.
+
+    For bf16 linears vLLM hands the weight to a oneDNN/packed GEMM and leaves an empty
+    `weight` behind, so parameters alone miss them; they are counted at their own size (one
+    packed copy of the same dtype).
+    """
+    held = sum(p.nbytes for p in model.parameters())
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (
+            isinstance(weight, torch.Tensor)
+            and weight.numel() == 0
+            and hasattr(module, "input_size_per_partition")
+        ):
+            rows = getattr(module, "output_size_per_partition", 0)
+            held += rows * module.input_size_per_partition * weight.element_size()
+    return held

@@ -61,3 +61,9 @@ def build_synthetic(path: Path, layers: int = 4) -> Path:
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    build_synthetic(Path(sys.argv[1]), int(sys.argv[2]))

@@ -38,6 +38,8 @@ class CpuInt4Config(QuantizationConfig):
         self.direct_dequant: bool = settings["direct_dequant"]
         self.use_custom_op: bool = settings["use_custom_op"]
         # prefill_dequant off sends every batch to the kernel (unsafe on AMX hosts, DESIGN §2).
+        # These three (and direct_dequant) steer PyTorch's tinygemm kernel, the fallback; the
+        # native kernel has no AMX state and its own measured row limit (kernels.NATIVE_MAX_ROWS).
         self.dequant_threshold: int = (
             settings["dequant_threshold"] if settings["prefill_dequant"] else 2**31 - 1
         )

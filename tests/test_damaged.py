@@ -4,6 +4,7 @@ crash, never garbage output. Each case loads a real engine in a child process.""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -107,6 +108,23 @@ def test_the_control_loads_with_ignored_layers_and_unknown_keys(demo_model, tmp_
         and "'model.layers.1.self_attn.o_proj'" not in modules
     )
     assert "'model.layers.2.self_attn.qkv_proj'" in modules
+
+
+def test_serves_on_pytorchs_kernel_when_the_native_one_is_off(demo_quantized):
+    """The fallback (tinygemm, learned layout) still serves when the native kernel is unavailable."""
+    modules = "llm.apply_model(int4_memory_report)[0]['modules'].values()"
+    report = f"\nprint('NATIVE', {{m['native_kernel'] for m in {modules}}})"
+    proc = subprocess.run(
+        [sys.executable, "-c", LOAD.format(path=str(demo_quantized)) + REPORT + report],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "CPU_INT4_NATIVE": "0"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "native kernels unavailable (turned off by CPU_INT4_NATIVE=0)" in proc.stdout + proc.stderr
+    assert "NATIVE {False}" in proc.stdout
+    assert len(proc.stdout.split("LOADED-AND-SERVING", 1)[1].split("INT4-MODULES")[0].strip()) > 0
 
 
 def test_float16_activations_are_refused(demo_quantized):

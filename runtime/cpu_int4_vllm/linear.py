@@ -92,6 +92,7 @@ def build_kernel_weights(layer, config, keep_rowmajor_for_lookup: bool = False) 
     """Replace the checkpoint tensors by the kernel's; the row-major ones stay only if needed."""
     check_all_loaded(layer)
     packed, scale, zero = layer.weight_packed.data, layer.weight_scale.data, layer.weight_zero.data
+    native.request_amx()
     layer.int4_native = native.isa() is not None
     if layer.int4_native:
         kernel_packed, scales_and_zeros = pack_native(packed, scale, zero)

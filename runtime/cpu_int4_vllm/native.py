@@ -69,6 +69,8 @@ def host_isa() -> int | None:
 
 def problem() -> str | None:
     """Why the kernel cannot run here, or None when it can."""
+    if os.environ.get("CPU_INT4_NATIVE", "1") == "0":
+        return "turned off by CPU_INT4_NATIVE=0"
     if host_isa() is None:
         return f"this CPU offers {torch.backends.cpu.get_cpu_capability()}, the kernel needs AVX2"
     if not LIBRARY.exists():
@@ -90,12 +92,20 @@ def isa() -> int | None:
     if reason is not None:
         logger.warning("cpu_int4: native kernels unavailable (%s); using the PyTorch paths", reason)
         return None
-    # vLLM's CPU attention uses AMX tiles but leaves asking Linux for them (per process) to
-    # oneDNN's first bf16 GEMM. With decode and short prompts on this kernel that GEMM may never
-    # run, and the attention died with SIGILL on the first request; so ask here.
+    return host_isa()
+
+
+@functools.lru_cache(maxsize=1)
+def request_amx() -> None:
+    """Ask Linux for AMX tile state for this process, where the CPU has AMX.
+
+    vLLM's CPU attention uses AMX but leaves that request to oneDNN's first bf16 GEMM. When
+    the int4 paths (either kernel, or the fp32 dense path) serve a short first request, no such
+    GEMM runs and the attention died with SIGILL (DESIGN §2's "AMX hazard", reproduced here
+    with both kernels).
+    """
     if torch.cpu._is_amx_tile_supported():
         torch.cpu._init_amx()
-    return host_isa()
 
 
 if __name__ == "__main__":

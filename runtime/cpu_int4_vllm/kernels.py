@@ -23,8 +23,9 @@ logger = logging.getLogger(__name__)
 
 FP32_MAX_ROWS = 256  # multi-row batches up to this size compute in fp32 (see int4_linear)
 # The native kernel unpacks once per 3 rows but multiplies per row, so it is compute-bound
-# above one row; on 2 cores (4096x4096, g64) it still beat dequantize + fp32 GEMM at 64 rows
-# (12.9 vs ~20 ms) and tied it near 256. Below this many rows it also keeps batches invariant.
+# above one row; on 2 cores (4096x4096, g64) it took 3.1 ms for 16 rows and 12.9 ms for 64,
+# where dequantizing to fresh memory + fp32 GEMM took ~20 ms (before the GEMM was sliced).
+# Below this many rows it also gives a row the same bits whatever the batch.
 NATIVE_MAX_ROWS = 64
 DEQUANT_SLICE_BLOCKS = 64  # 1024 columns of W^T per slice: 8-22 MiB for K = 4096-11008 in bf16
 

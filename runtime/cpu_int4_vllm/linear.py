@@ -105,12 +105,8 @@ def build_kernel_weights(layer, config, keep_rowmajor_for_lookup: bool = False) 
     layer.scales_and_zeros = torch.nn.Parameter(scales_and_zeros, requires_grad=False)
     layer.int4_rowmajor = None if rowmajor is None else torch.nn.Parameter(rowmajor, requires_grad=False)
     del layer.int4_loaded_shards
-    if not keep_rowmajor_for_lookup:
-        drop_rowmajor(layer)
-
-
-def drop_rowmajor(layer) -> None:
-    """Free the checkpoint's row-major tensors once nothing looks rows up in them."""
+    if keep_rowmajor_for_lookup:
+        return
     for name in (PACKED_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX):
         delattr(layer, name)
 

@@ -1,9 +1,10 @@
 """cpu_int4's own compiled kernels (int4_kernels.cpp): build them once, load them.
 
-PyTorch's tinygemm kernel streams only ~5-6 GB/s of packed weights on 2 cores, which caps
-decode near 2x bf16 (issue 6); this kernel keeps one SIMD lane per output row and streams
-its layout front to back. `make install` builds it (`python -m cpu_int4_vllm.native`); when
-the library is missing, stale or fails to load, the runtime says so once and uses tinygemm.
+The decode GEMV keeps one SIMD lane per output row and streams its layout front to back, at
+the memory's speed on 2 cores; with its min/max pass the quantizer runs ~6x a plain PyTorch
+one (bench/quantize.py). `make install` builds the library (`python -m cpu_int4_vllm.native`);
+when it is missing, stale, turned off (CPU_INT4_NATIVE=0) or fails to load, the runtime says
+so once and uses the PyTorch paths.
 """
 
 from __future__ import annotations

@@ -26,6 +26,13 @@ def test_defaults_and_repr(config_cls):
     assert config.get_supported_act_dtypes() == [torch.bfloat16]
 
 
+def test_a_checkpoint_written_with_the_tuning_knobs_still_loads(config_cls):
+    # What checkpoints carried before the knobs left the on-disk format.
+    old = {**CONFIG_DEFAULTS, "group_size": 32, "dequant_threshold": 4, "direct_dequant": False}
+    config = config_cls.from_config(old)
+    assert (config.group_size, config.dequant_threshold, config.direct_dequant) == (32, 4, False)
+
+
 def test_prefill_dequant_off_sends_every_batch_to_the_kernel(config_cls):
     config = config_cls.from_config({"quant_method": "cpu_int4", "prefill_dequant": False})
     assert config.dequant_threshold > 1_000_000

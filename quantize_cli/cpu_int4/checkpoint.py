@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from cpu_int4_vllm.format import TensorSpec
 from safetensors import safe_open
 
 from .errors import QuantizeError
@@ -17,30 +17,22 @@ INDEX_NAME = "model.safetensors.index.json"
 # Weight files of any framework: never copied into the output (ours replace them).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt")
 
-FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+FLOAT_DTYPES = {"BF16", "F16", "F32"}
 # Integer buffers (position ids, masks) are carried over untouched; anything else (fp8, int8, ...)
 # means the checkpoint is already quantized or is something this tool cannot read correctly.
 CARRIED_DTYPES = {"I64", "I32", "BOOL"}
-STORAGE_DTYPES = {**FLOAT_DTYPES, "I64": torch.int64, "I32": torch.int32, "BOOL": torch.bool}
 
 
 @dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(TensorSpec):
     """One tensor of the source checkpoint, as its safetensors header describes it."""
 
-    name: str
-    file: Path
-    dtype: str  # safetensors dtype code, e.g. "BF16"
-    shape: tuple[int, ...]
-    offset: int  # absolute byte offset of the data in its file
+    file: Path = Path()
+    offset: int = 0  # absolute byte offset of the data in its file
 
     @property
     def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * _itemsize(self.dtype)
+        return self.nbytes // self.torch_dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -133,14 +125,9 @@ def _read_header(file: Path) -> list[TensorInfo]:
         header = json.loads(f.read(length))
     header.pop("__metadata__", None)
     return [
-        TensorInfo(name, file, meta["dtype"], tuple(meta["shape"]), 8 + length + meta["data_offsets"][0])
+        TensorInfo(name, meta["dtype"], tuple(meta["shape"]), file, 8 + length + meta["data_offsets"][0])
         for name, meta in header.items()
     ]
-
-
-def _itemsize(dtype: str) -> int:
-    sizes = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2}
-    return sizes.get(dtype, 1)
 
 
 class TensorReader:
@@ -162,7 +149,7 @@ class TensorReader:
         """Rows start:stop of a tensor, read without touching the rest."""
         row_bytes = info.nbytes // info.shape[0]
         data = self.raw(info, start * row_bytes, (stop - start) * row_bytes)
-        return data.view(STORAGE_DTYPES[info.dtype]).reshape(stop - start, *info.shape[1:])
+        return data.view(info.torch_dtype).reshape(stop - start, *info.shape[1:])
 
     def raw(self, info: TensorInfo, begin: int, size: int) -> torch.Tensor:
         """`size` bytes of a tensor's data from byte `begin`, as uint8."""

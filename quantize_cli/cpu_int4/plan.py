@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from cpu_int4_vllm.format import GROUP_SIZES, bits_per_weight, shape_problem
+from cpu_int4_vllm.format import GROUP_SIZES, TensorSpec, bits_per_weight, quantized_tensors, shape_problem
 
 from .checkpoint import FLOAT_DTYPES, Checkpoint, TensorInfo
 from .errors import QuantizeError
@@ -18,9 +18,12 @@ from .errors import QuantizeError
 EMBEDDING_MODULES = {"embed_tokens", "wte", "word_embeddings", "embed_in", "tok_embeddings"}
 HEAD_MODULES = {"lm_head", "embed_out"}
 # 2-D weights that are not linear layers, or that vLLM runs unquantized: never quantized.
-NOT_LINEAR = re.compile(r"(norm|^ln_|\.ln_|wpe|position|rotary|\.gate$|router)")
+NOT_LINEAR = re.compile(r"(norm|^ln_|\.ln_|wpe|position|token_type|rotary|\.gate$|router)")
 # vLLM fuses these siblings into one layer; a fused layer is quantized all or nothing.
-FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"))
+# Architectures that end in a vocabulary head (tied or not). Encoder models (BertModel, ...)
+# have none, and vLLM builds their tables without a quantization config: those stay as they are.
+GENERATIVE = re.compile(r"(ForCausalLM|LMHeadModel|ForConditionalGeneration)$")
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class Plan:
     group_size: int
     quantize_embedding: bool
     tied: bool
+    has_head: bool
     choices: list[LayerChoice]
     ignore: list[str] = field(default_factory=list)  # modules kept in full precision
 
@@ -59,16 +63,20 @@ class Plan:
     def quantized_params(self) -> int:
         return sum(c.info.shape[0] * c.info.shape[1] for c in self.quantized)
 
+    def outputs(self, choice: LayerChoice) -> tuple[TensorSpec, ...]:
+        """The tensors the output holds for one source tensor."""
+        if choice.action == "quantize":
+            n, k = choice.info.shape
+            return quantized_tensors(choice.module, n, k, self.group_size)
+        return (choice.info,) if choice.action == "keep" else ()
+
+    def output_tensors(self) -> list[TensorSpec]:
+        """Every tensor the output will hold, in source order."""
+        return [spec for c in self.choices for spec in self.outputs(c)]
+
     def output_bytes(self) -> int:
         """Bytes of tensor data the output will hold."""
-        total = 0
-        for c in self.choices:
-            if c.action == "quantize":
-                n, k = c.info.shape
-                total += n * k // 2 + 2 * 2 * n * (k // self.group_size)
-            elif c.action == "keep":
-                total += c.info.nbytes
-        return total
+        return sum(spec.nbytes for spec in self.output_tensors())
 
     @property
     def bits_per_weight(self) -> float:
@@ -110,14 +118,23 @@ def make_plan(
     if group_size not in GROUP_SIZES:
         raise QuantizeError(f"group size {group_size} is not supported; use one of {list(GROUP_SIZES)}")
     patterns = compile_patterns(ignore or [])
-    tied = _is_tied(ckpt)
-    choices = [_choose(t, group_size, patterns, quantize_embedding, tied) for t in ckpt.tensors]
+    has_head = _has_head(ckpt)
+    tied = has_head and _is_tied(ckpt)
+    choices = [_choose(t, group_size, patterns, quantize_embedding, tied, has_head) for t in ckpt.tensors]
     choices = _keep_fused_siblings_together(choices)
-    plan = Plan(group_size, quantize_embedding, tied, choices)
+    plan = Plan(group_size, quantize_embedding, tied, has_head, choices)
     plan.ignore = sorted({c.module for c in plan.kept_layers})
     if tied and any(_role(c.module) == "embedding" for c in plan.kept_layers):
         plan.ignore.append("lm_head")  # the tied head is the table: it follows the table's fate
     return plan
+
+
+def _has_head(ckpt: Checkpoint) -> bool:
+    """Whether the model ends in a vocabulary head; without `architectures`, assume it does."""
+    if any(_role(t.name.removesuffix(".weight")) == "head" for t in ckpt.tensors):
+        return True
+    architectures = ckpt.config.get("architectures") or []
+    return not architectures or any(GENERATIVE.search(a) for a in architectures)
 
 
 def _is_tied(ckpt: Checkpoint) -> bool:
@@ -143,6 +160,7 @@ def _choose(
     patterns: list,
     quantize_embedding: bool,
     tied: bool,
+    has_head: bool,
 ) -> LayerChoice:
     if not info.name.endswith(".weight") or len(info.shape) != 2 or info.dtype not in FLOAT_DTYPES:
         return LayerChoice(info, "keep")
@@ -154,6 +172,8 @@ def _choose(
         return LayerChoice(info, "drop", "tied to the embedding table")
     if role == "embedding" and not quantize_embedding:
         return LayerChoice(info, "keep", "--no-quantize-embedding")
+    if role == "embedding" and not has_head:
+        return LayerChoice(info, "keep", "no output head: vLLM runs this table unquantized")
     if matches(module, patterns):
         return LayerChoice(info, "keep", "--ignore")
     problem = shape_problem(info.shape[0], info.shape[1], group_size)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from cpu_int4_vllm.format import CONFIG_DEFAULTS, GROUP_SIZES, PACKED_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX
+from cpu_int4_vllm.format import DEFAULT_GROUP_SIZE, DEFAULT_METHOD, GROUP_SIZES, format_config
 
 from .card import write_card
 from .checkpoint import (
@@ -28,15 +28,17 @@ from .hub import download, looks_like_hub_id, push
 from .methods import METHODS, NonFiniteWeights
 from .outdir import OutputDir
 from .plan import LayerChoice, Plan, compile_patterns, input_norm, make_plan, norm_offset
-from .shards import OutputTensor, ShardWriter, parse_size
+from .shards import ShardWriter, parse_size
 
 # Rows are quantized in slices of about this many fp32 bytes, so memory does not grow with
 # the largest tensor (a 49152 x 4096 vocab table would be 0.8 GB in fp32 at once).
 SLICE_BYTES = 32 * 2**20
 READ_AHEAD = 2  # slices read before they are needed
 WRITE_BEHIND = 2  # slices whose outputs may still be waiting to be written
-# Files a user needs besides the weights; the source README is replaced by our model card.
-SKIPPED_FILES = {"config.json", INDEX_NAME, "README.md"}
+DEFAULT_SHARD_SIZE = "5GB"
+# Everything else of the source is copied, sub-folders too (a sentence-transformers model's
+# 1_Pooling/ decides how vLLM pools); these are rewritten, and the README becomes our card.
+REWRITTEN_FILES = {"config.json", INDEX_NAME, "README.md"}
 
 Progress = Callable[[int, int], None]  # (source bytes just processed, total source bytes)
 
@@ -51,7 +53,7 @@ class Summary:
     input_bytes: int
     output_bytes: int
     total_params: int
-    method: str = "minmax"
+    method: str = DEFAULT_METHOD
     seconds: float = 0.0
     dry_run: bool = False
     url: str | None = None  # the Hub repo, when pushed
@@ -65,11 +67,11 @@ class Summary:
 def quantize(
     model: str,
     out: str | Path,
-    group_size: int = 64,
+    group_size: int = DEFAULT_GROUP_SIZE,
     ignore: list[str] | None = None,
     quantize_embedding: bool = True,
-    method: str = "minmax",
-    max_shard_size: str = "5GB",
+    method: str = DEFAULT_METHOD,
+    max_shard_size: str = DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
     dry_run: bool = False,
     revision: str | None = None,
@@ -117,22 +119,6 @@ def quantize(
     return summary
 
 
-def _outputs(plan: Plan) -> list[OutputTensor]:
-    tensors = []
-    for c in plan.choices:
-        if c.action == "quantize":
-            n, k = c.info.shape
-            groups = k // plan.group_size
-            tensors += [
-                OutputTensor(f"{c.module}.{PACKED_SUFFIX}", "U8", (n, k // 2)),
-                OutputTensor(f"{c.module}.{SCALE_SUFFIX}", "BF16", (n, groups)),
-                OutputTensor(f"{c.module}.{ZERO_SUFFIX}", "BF16", (n, groups)),
-            ]
-        elif c.action == "keep":
-            tensors.append(OutputTensor(c.info.name, c.info.dtype, c.info.shape))
-    return tensors
-
-
 @dataclass(frozen=True)
 class _Slice:
     """Rows start:stop of one source tensor, and what to do with them."""
@@ -165,7 +151,7 @@ def _write_weights(
     At most READ_AHEAD slices are read and WRITE_BEHIND slices' outputs pending, so memory stays
     flat in model size.
     """
-    writer = ShardWriter(tmp, _outputs(plan), shard_bytes)
+    writer = ShardWriter(tmp, plan.output_tensors(), shard_bytes)
     by_name = {t.name: t for t in ckpt.tensors}
     names = set(by_name)
     offset = norm_offset(ckpt.config)
@@ -198,7 +184,7 @@ def _write_weights(
                 if c.action == "keep":
                     outputs = [(c.info.name, data, piece.start)]
                 else:
-                    outputs = _quantize_slice(c, piece.start, data, plan.group_size, method, channel)
+                    outputs = _quantize_slice(plan, c, piece.start, data, method, channel)
                 behind.append(writes.submit(_write_all, writer, outputs))
                 while len(behind) > WRITE_BEHIND:
                     behind.popleft().result()
@@ -218,41 +204,26 @@ def _write_all(writer: ShardWriter, outputs: list[tuple[str, torch.Tensor, int]]
 
 
 def _quantize_slice(
+    plan: Plan,
     c: LayerChoice,
     start: int,
     rows: torch.Tensor,
-    group_size: int,
     method,
     channel_importance: torch.Tensor | None,
 ) -> list[tuple[str, torch.Tensor, int]]:
     """The three output tensors' rows for source rows start:..., with their byte offsets."""
-    k = c.info.shape[1]
     try:
-        packed, scale, zero = method(rows, group_size, channel_importance)
+        tensors = method(rows, plan.group_size, channel_importance)
     except NonFiniteWeights as err:
         raise QuantizeError(f"tensor {c.info.name} contains NaN or Inf; refusing to quantize it") from err
-    return [
-        (f"{c.module}.{PACKED_SUFFIX}", packed, start * (k // 2)),
-        (f"{c.module}.{SCALE_SUFFIX}", scale, start * (k // group_size) * 2),
-        (f"{c.module}.{ZERO_SUFFIX}", zero, start * (k // group_size) * 2),
-    ]
-
-
-def quantization_config(plan: Plan, method: str) -> dict:
-    """The `quantization_config` block written into config.json (DESIGN §1.2)."""
-    config = dict(CONFIG_DEFAULTS)
-    config.update(
-        method=method,
-        group_size=plan.group_size,
-        ignore=list(plan.ignore),
-        quantize_embedding=plan.quantize_embedding,
-    )
-    return config
+    return [(spec.name, t, start * spec.row_bytes) for spec, t in zip(plan.outputs(c), tensors, strict=True)]
 
 
 def _write_config(ckpt: Checkpoint, plan: Plan, method: str, tmp: Path) -> None:
     config = dict(ckpt.config)
-    config["quantization_config"] = quantization_config(plan, method)
+    config["quantization_config"] = format_config(
+        method, plan.group_size, plan.ignore, plan.quantize_embedding
+    )
     # The runtime offers bf16 activations only (the kernel's fp32 path is ~30x slower).
     dtype_keys = [key for key in ("torch_dtype", "dtype") if key in config] or ["torch_dtype"]
     for key in dtype_keys:
@@ -261,14 +232,25 @@ def _write_config(ckpt: Checkpoint, plan: Plan, method: str, tmp: Path) -> None:
 
 
 def _copy_support_files(source: Path, tmp: Path) -> list[str]:
+    """Copy every file and folder of the source but its weights and what we rewrite; returns
+    the top-level names copied. Hidden entries (.git, .cache) are not part of the model."""
+
+    def skipped(folder: str, names: list[str]) -> set[str]:
+        top = Path(folder) == source
+        return {
+            n
+            for n in names
+            if n.startswith(".") or n.endswith(WEIGHT_SUFFIXES) or (top and n in REWRITTEN_FILES)
+        }
+
     copied = []
-    for f in sorted(source.iterdir()):
-        if (
-            f.is_file()
-            and not f.name.startswith(".")
-            and f.name not in SKIPPED_FILES
-            and not f.name.endswith(WEIGHT_SUFFIXES)
-        ):
-            shutil.copy2(f, tmp / f.name)
-            copied.append(f.name)
+    for entry in sorted(source.iterdir()):
+        if entry.name in skipped(str(source), [entry.name]):
+            continue
+        if entry.is_dir():
+            shutil.copytree(entry, tmp / entry.name, ignore=skipped)
+            copied.append(entry.name + "/")
+        else:
+            shutil.copy2(entry, tmp / entry.name)
+            copied.append(entry.name)
     return copied

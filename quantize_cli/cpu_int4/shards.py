@@ -8,29 +8,14 @@ so each shard's header is written up front and each tensor's bytes go to their f
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from cpu_int4_vllm.format import TensorSpec
 
 from .checkpoint import INDEX_NAME
-
-_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I32": 4, "I64": 8, "BOOL": 1}
-
-
-@dataclass(frozen=True)
-class OutputTensor:
-    """A tensor the output will hold."""
-
-    name: str
-    dtype: str  # safetensors dtype code
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -73,7 +58,7 @@ def parse_size(text: str) -> int:
 class ShardWriter:
     """Lays out shards for a known set of tensors and writes each tensor's bytes into place."""
 
-    def __init__(self, directory: Path, tensors: list[OutputTensor], max_shard_size: int):
+    def __init__(self, directory: Path, tensors: list[TensorSpec], max_shard_size: int):
         groups = _split(tensors, max_shard_size)
         count = len(groups)
         self.slots: dict[str, _Slot] = {}
@@ -87,9 +72,9 @@ class ShardWriter:
             self.files.append(path)
         self._fds = {path: os.open(path, os.O_WRONLY) for path in self.files}
 
-    def _layout(self, path: Path, group: list[OutputTensor]) -> None:
+    def _layout(self, path: Path, group: list[TensorSpec]) -> None:
         # Largest items first keeps every tensor aligned to its element size.
-        group = sorted(group, key=lambda t: -_ITEMSIZE[t.dtype])
+        group = sorted(group, key=lambda t: -t.torch_dtype.itemsize)
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for t in group:
@@ -139,8 +124,8 @@ class ShardWriter:
             (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _split(tensors: list[OutputTensor], max_shard_size: int) -> list[list[OutputTensor]]:
-    groups: list[list[OutputTensor]] = [[]]
+def _split(tensors: list[TensorSpec], max_shard_size: int) -> list[list[TensorSpec]]:
+    groups: list[list[TensorSpec]] = [[]]
     size = 0
     for t in tensors:
         if groups[-1] and size + t.nbytes > max_shard_size:

@@ -1,10 +1,15 @@
-"""The cpu_int4 checkpoint format: nibble packing, min/max quantization, dequantization, config keys.
+"""The cpu_int4 checkpoint format: a quantized layer's tensors, nibble packing, min/max
+quantization, dequantization, config keys.
 
-The one definition of the format, shared by the quantizer and the vLLM plugin. It imports only
-torch, so the quantizer can use it without loading vLLM (DESIGN §1).
+The one definition of the format (docs/format.md), shared by the quantizer and the vLLM plugin.
+It imports only torch, so the quantizer can use it without loading vLLM.
 """
 
 from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -17,19 +22,85 @@ MAX_CODE = 15
 PACKED_SUFFIX = "weight_packed"
 SCALE_SUFFIX = "weight_scale"
 ZERO_SUFFIX = "weight_zero"
+QUANTIZED_SUFFIXES = (PACKED_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX)
 
-# Every quantization_config key with its default (DESIGN §1.2); the runtime fills gaps from here.
-CONFIG_DEFAULTS: dict[str, object] = {
-    "quant_method": QUANT_METHOD,
-    "method": "minmax",
-    "group_size": 64,
-    "ignore": [],
-    "quantize_embedding": True,
-    "prefill_dequant": True,
-    "dequant_threshold": 2,
-    "use_custom_op": True,
-    "direct_dequant": True,
+# safetensors dtype codes and the torch dtypes they hold: the one table both sides read.
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a checkpoint: name, safetensors dtype code, shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return SAFETENSORS_DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.torch_dtype.itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (index 0): where row r of a slice starts is r * row_bytes."""
+        return self.nbytes // self.shape[0]
+
+
+def quantized_tensors(module: str, n: int, k: int, group_size: int) -> tuple[TensorSpec, ...]:
+    """The three tensors that replace `<module>.weight` [N, K]: packed codes, scale, zero."""
+    groups = k // group_size
+    return (
+        TensorSpec(f"{module}.{PACKED_SUFFIX}", "U8", (n, k // 2)),
+        TensorSpec(f"{module}.{SCALE_SUFFIX}", "BF16", (n, groups)),
+        TensorSpec(f"{module}.{ZERO_SUFFIX}", "BF16", (n, groups)),
+    )
+
+
+# quantization_config keys that describe the weights: every new checkpoint writes these.
+FORMAT_KEYS: dict[str, tuple[type, object]] = {
+    "quant_method": (str, QUANT_METHOD),
+    "method": (str, "minmax"),
+    "group_size": (int, 64),
+    "ignore": (list, []),
+    "quantize_embedding": (bool, True),
+}
+# Knobs of PyTorch's tinygemm kernel, the runtime's fallback (docs/runtime.md). Checkpoints
+# written before the native kernel carry them and still load; new ones leave them out, so
+# the defaults here apply. Set in config.json they still count, and key vLLM's compile cache.
+TUNING_KEYS: dict[str, tuple[type, object]] = {
+    "prefill_dequant": (bool, True),
+    "dequant_threshold": (int, 2),
+    "use_custom_op": (bool, True),
+    "direct_dequant": (bool, True),
+}
+CONFIG_KEYS = {**FORMAT_KEYS, **TUNING_KEYS}
+CONFIG_DEFAULTS: dict[str, object] = {key: default for key, (_, default) in CONFIG_KEYS.items()}
+DEFAULT_GROUP_SIZE: int = CONFIG_DEFAULTS["group_size"]
+DEFAULT_METHOD: str = CONFIG_DEFAULTS["method"]
+
+
+def format_config(method: str, group_size: int, ignore: list[str], quantize_embedding: bool) -> dict:
+    """The `quantization_config` block a new checkpoint carries: only what describes its weights."""
+    config = {key: copy.deepcopy(default) for key, (_, default) in FORMAT_KEYS.items()}
+    config.update(
+        method=method, group_size=group_size, ignore=list(ignore), quantize_embedding=quantize_embedding
+    )
+    return config
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -55,7 +126,7 @@ def _group_view(weight: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def quantize_minmax(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Min/max group-wise 4-bit quantization (DESIGN §1.1).
+    """Min/max group-wise 4-bit quantization (docs/format.md).
 
     Returns (packed uint8 [N, K/2], scale bf16 [N, K/g], zero bf16 [N, K/g]). The math runs in
     fp32; codes are rounded against the bf16 scale and zero actually stored, so dequantization
@@ -115,7 +186,7 @@ def dequantize_codes(
 
 
 def shape_problem(n: int, k: int, group_size: int) -> str | None:
-    """Why a [N, K] weight cannot be quantized at this group size (DESIGN §1.4), or None."""
+    """Why a [N, K] weight cannot be quantized at this group size (docs/format.md), or None."""
     if k % group_size:
         return f"K={k} is not a multiple of group size {group_size}"
     if n % ROW_MULTIPLE:
@@ -128,19 +199,6 @@ def bits_per_weight(group_size: int) -> float:
     return 4 + 2 * 16 / group_size
 
 
-_CONFIG_TYPES: dict[str, type] = {
-    "quant_method": str,
-    "method": str,
-    "group_size": int,
-    "ignore": list,
-    "quantize_embedding": bool,
-    "prefill_dequant": bool,
-    "dequant_threshold": int,
-    "use_custom_op": bool,
-    "direct_dequant": bool,
-}
-
-
 def parse_config(raw: object) -> tuple[dict, list[str]]:
     """Validate a `quantization_config` block; returns (settings with defaults, unknown keys).
 
@@ -148,9 +206,9 @@ def parse_config(raw: object) -> tuple[dict, list[str]]:
     """
     if not isinstance(raw, dict):
         raise ValueError(f"quantization_config must be a JSON object, not {type(raw).__name__}")
-    settings = dict(CONFIG_DEFAULTS)
-    unknown = sorted(str(k) for k in raw if k not in CONFIG_DEFAULTS)
-    for key, kind in _CONFIG_TYPES.items():
+    settings = copy.deepcopy(CONFIG_DEFAULTS)
+    unknown = sorted(str(k) for k in raw if k not in CONFIG_KEYS)
+    for key, (kind, _) in CONFIG_KEYS.items():
         if key not in raw:
             continue
         value = raw[key]

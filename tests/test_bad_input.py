@@ -121,3 +121,57 @@ def test_bad_group_size(src, tmp_path):
 
 def test_bad_regex(src, tmp_path):
     fails(tmp_path, src, "--ignore", "re:layers.(", expect="invalid --ignore regex")
+
+
+@pytest.fixture
+def eval_pair(src, tmp_path):
+    """A tiny base model and its cpu_int4 output, plus a text."""
+    from cpu_int4.quantize import quantize
+
+    quantize(str(src), tmp_path / "quant")
+    text = tmp_path / "text.txt"
+    text.write_text("some words to score, enough of them")
+    return src, tmp_path / "quant", text
+
+
+def eval_fails(*args, expect: str) -> None:
+    result = runner.invoke(app, ["eval", *map(str, args)], env={"COLUMNS": "400"})
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_eval_unparsable_config(eval_pair):
+    base, quant, text = eval_pair
+    (quant / "config.json").write_text("{not json")
+    eval_fails(base, quant, "--text", text, expect="config.json is not valid JSON")
+
+
+def test_eval_missing_files(eval_pair, tmp_path):
+    base, quant, text = eval_pair
+    eval_fails(tmp_path / "nope", quant, "--text", text, expect="BASE")
+    eval_fails(base, quant, "--text", tmp_path / "nope.txt", expect="--text")
+    (base / "config.json").unlink()
+    eval_fails(base, quant, "--text", text, expect="has no config.json")
+
+
+def test_eval_quant_that_is_not_cpu_int4(eval_pair):
+    base, quant, text = eval_pair
+    eval_fails(base, base, "--text", text, expect="not a cpu_int4 checkpoint")
+    config = json.loads((quant / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (quant / "config.json").write_text(json.dumps(config))
+    eval_fails(base, quant, "--text", text, expect="quant_method is 'gptq'")
+
+
+def test_eval_text_that_is_not_utf8(eval_pair):
+    base, quant, text = eval_pair
+    text.write_bytes(b"\xff\xfe\x00 binary")
+    eval_fails(base, quant, "--text", text, expect="not UTF-8")
+
+
+def test_eval_choices_are_checked_by_the_cli(eval_pair):
+    base, quant, text = eval_pair
+    result = runner.invoke(app, ["eval", str(base), str(quant), "--text", str(text), "--engine", "onnx"])
+    assert result.exit_code == 2 and "onnx" in result.output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -161,6 +162,56 @@ def test_overwrite_replaces_output(tmp_path):
     assert run_cli(src, out, "--overwrite").exit_code == 0
     assert not (out / "stale.txt").exists() and (out / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+
+
+def test_old_out_survives_a_failed_final_rename(tmp_path, monkeypatch):
+    src = tiny_llama(tmp_path / "src")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("old")
+    real_rename = Path.rename
+
+    def rename(self, target):
+        if ".cpu-int4-staging-new" in self.name:  # the staged output moving into place
+            raise OSError(errno.EXDEV, "simulated failure")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    result = run_cli(src, out, "--overwrite")
+    assert result.exit_code == 1 and "nothing was written" in result.output
+    assert (out / "keep.txt").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+
+
+def test_an_old_out_set_aside_by_a_killed_run_is_put_back(tmp_path):
+    src = tiny_llama(tmp_path / "src")
+    out = tmp_path / "out"
+    # A run killed between its two renames left the old OUT under its staging name.
+    aside = tmp_path / ".out.cpu-int4-staging-old-999999999"
+    aside.mkdir()
+    (aside / "keep.txt").write_text("old")
+    assert run_cli(src, out).exit_code == 1  # OUT is back, and not empty
+    assert (out / "keep.txt").read_text() == "old" and not aside.exists()
+
+
+def test_every_non_weight_file_and_folder_is_copied(tmp_path):
+    src = tiny_llama(tmp_path / "src")
+    (src / "1_Pooling").mkdir()
+    (src / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    (src / "2_Normalize").mkdir()
+    (src / "modules.json").write_text("[]")
+    (src / "extra").mkdir()
+    (src / "extra" / "old_weights.bin").write_bytes(b"x")
+    (src / "extra" / "notes.txt").write_text("n")
+    (src / "pytorch_model.bin").write_bytes(b"x")
+    (src / ".git").mkdir()
+    assert run_cli(src, tmp_path / "out").exit_code == 0
+    out = tmp_path / "out"
+    assert (out / "1_Pooling" / "config.json").read_text() == '{"pooling_mode_mean_tokens": true}'
+    assert (out / "2_Normalize").is_dir() and (out / "modules.json").is_file()
+    assert (out / "extra" / "notes.txt").is_file()
+    assert not (out / "extra" / "old_weights.bin").exists() and not (out / "pytorch_model.bin").exists()
+    assert not (out / ".git").exists()
 
 
 def test_exit_code_and_one_line_error_from_the_console_script(tmp_path):

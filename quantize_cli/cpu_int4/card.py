@@ -134,25 +134,9 @@ def _versions() -> str:
 QUALITY_HEADING = "## Quality\n"
 
 
-def verdict(result) -> str:
-    """One line that says how much the quantization costs on this text."""
-    rel = result.delta_ppl / result.ppl_base
-    if rel < 0.01:
-        level = "near-lossless"
-    elif rel < 0.05:
-        level = "a small loss"
-    elif rel < 0.15:
-        level = "a noticeable loss"
-    else:
-        level = "a large loss: try --group-size 32 or --method search"
-    return f"verdict: {level} (PPL {result.ppl_base:.2f} -> {result.ppl_quant:.2f}, {rel:+.1%})"
-
-
 def add_quality_to_card(folder: Path, result, text: Path) -> None:
     """Replace the card's Quality section with the eval's figures."""
     card = folder / "README.md"
-    if not card.is_file():
-        raise FileNotFoundError(f"{card} does not exist; quantize with cpu-int4 to get a card")
     kld = "n/a" if result.kld is None else f"{result.kld:.4f}"
     section = (
         f"{QUALITY_HEADING}\nMeasured with `cpu-int4 eval` on `{text.name}` ({result.positions} positions, "

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from cpu_int4_vllm.format import DEFAULT_GROUP_SIZE, DEFAULT_METHOD, GROUP_SIZES
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -22,10 +23,12 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from .card import add_quality_to_card, verdict
-from .errors import QuantizeError
+from .card import add_quality_to_card
+from .errors import UserError
+from .evaluate import Engine, verdict
 from .hub import push
-from .quantize import Summary, quantize
+from .methods import Method
+from .quantize import DEFAULT_SHARD_SIZE, Summary, quantize
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Quantize HF checkpoints to 4-bit for vLLM on CPUs."
@@ -67,7 +70,9 @@ def _terminate(signum, frame) -> None:
 def quantize_cmd(
     model: Annotated[str, typer.Argument(help="Local checkpoint folder, or a Hub id (org/name).")],
     out: Annotated[Path, typer.Argument(help="Output directory (created atomically).")],
-    group_size: Annotated[int, typer.Option(help="Weights per scale/zero pair: 32, 64, 128 or 256.")] = 64,
+    group_size: Annotated[
+        int, typer.Option(help=f"Weights per scale/zero pair: one of {', '.join(map(str, GROUP_SIZES))}.")
+    ] = DEFAULT_GROUP_SIZE,
     ignore: Annotated[
         list[str] | None,
         typer.Option(
@@ -77,12 +82,14 @@ def quantize_cmd(
     quantize_embedding: Annotated[
         bool, typer.Option(help="Quantize the token embedding (and a tied head).")
     ] = True,
-    max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB or 500MB.")] = "5GB",
+    max_shard_size: Annotated[
+        str, typer.Option(help="Largest output shard, e.g. 5GB or 500MB.")
+    ] = DEFAULT_SHARD_SIZE,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT if it exists.")] = False,
     dry_run: Annotated[bool, typer.Option(help="Print the plan and write nothing.")] = False,
     method: Annotated[
-        str, typer.Option(help="minmax (fast, reproduces each group's extremes) or search (lower error).")
-    ] = "minmax",
+        Method, typer.Option(help="minmax (fast, reproduces each group's extremes) or search (lower error).")
+    ] = DEFAULT_METHOD,
     revision: Annotated[
         str | None, typer.Option(help="Branch, tag or commit when MODEL is a Hub id.")
     ] = None,
@@ -104,14 +111,14 @@ def quantize_cmd(
                 max_shard_size=max_shard_size,
                 overwrite=overwrite,
                 dry_run=dry_run,
-                method=method,
+                method=Method(method).value,
                 revision=revision,
                 push_to_hub=push_to_hub,
                 private=private,
                 command=_command_line(),
                 progress=lambda done, total: bar.update(task, advance=done, total=total),
             )
-        except QuantizeError as err:
+        except UserError as err:
             bar.stop()
             _fail(str(err))
     print_summary(summary)
@@ -128,7 +135,7 @@ def push_cmd(
     """Upload OUT to the Hugging Face Hub in one commit (its README.md is the model card)."""
     try:
         url = push(out, repo_id, private=private, revision=revision, commit_message=commit_message)
-    except QuantizeError as err:
+    except UserError as err:
         _fail(str(err))
     Console().print(f"pushed {out} to {url}")
 
@@ -141,8 +148,8 @@ def eval_cmd(
     context: Annotated[int, typer.Option(help="Tokens per window (stride = context).")] = 1024,
     max_tokens: Annotated[int | None, typer.Option(help="Score at most this many tokens.")] = None,
     engine: Annotated[
-        str, typer.Option(help="torch (reference) or vllm (served) for the quantized side.")
-    ] = "torch",
+        Engine, typer.Option(help="torch (reference) or vllm (served) for the quantized side.")
+    ] = Engine.torch,
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Also write the figures as JSON here.")
     ] = None,
@@ -151,24 +158,22 @@ def eval_cmd(
     """Perplexity, KL divergence and top-k agreement of QUANT against BASE on a text."""
     from .evaluate import evaluate
 
-    for path, what in ((base, "BASE"), (quant, "QUANT"), (text, "--text")):
-        if not path.exists():
-            _fail(f"{what} {path} does not exist")
-    if engine not in ("torch", "vllm"):
-        _fail(f"--engine must be torch or vllm, not {engine!r}")
-    quant_config = quant / "config.json"
-    if not quant_config.is_file() or "quantization_config" not in json.loads(quant_config.read_text()):
-        _fail(f"QUANT {quant} is not a cpu_int4 checkpoint (no quantization_config in its config.json)")
+    if card and not (quant / "README.md").is_file():
+        _fail(f"--card: {quant / 'README.md'} does not exist; quantize with cpu-int4 to get a card")
     with _progress_bar("scoring", bytes_=False) as (bar, task):
-        result = evaluate(
-            base,
-            quant,
-            text,
-            context=context,
-            max_tokens=max_tokens,
-            engine=engine,
-            progress=lambda done, total: bar.update(task, advance=done, total=total),
-        )
+        try:
+            result = evaluate(
+                base,
+                quant,
+                text,
+                context=context,
+                max_tokens=max_tokens,
+                engine=engine,
+                progress=lambda done, total: bar.update(task, advance=done, total=total),
+            )
+        except UserError as err:
+            bar.stop()
+            _fail(str(err))
     print_eval(result)
     if json_out:
         json_out.write_text(json.dumps(result.as_dict(), indent=2) + "\n")

@@ -8,14 +8,26 @@ no KL divergence.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from enum import Enum
 from pathlib import Path
 
 import torch
+from cpu_int4_vllm.format import parse_config
+
+from .errors import EvalError
 
 Progress = Callable[[int, int], None]  # (positions just scored, total positions)
 VLLM_TOP_K = 5
+
+
+class Engine(str, Enum):
+    """What runs the quantized side: the PyTorch reference or vLLM serving it."""
+
+    torch = "torch"
+    vllm = "vllm"
 
 
 @dataclass
@@ -56,11 +68,56 @@ def windows(ids: list[int], context: int) -> Iterator[list[int]]:
             yield window
 
 
+def check_inputs(base: Path, quant: Path, text: Path, context: int, max_tokens: int | None) -> None:
+    """Refuse, in one line each, what would otherwise fail deep inside transformers or vLLM."""
+    for path, what in ((base, "BASE"), (quant, "QUANT")):
+        if not path.is_dir():
+            raise EvalError(f"{what} {path} is not a checkpoint folder")
+        config = _read_json(path / "config.json", what)
+        has_quant = "quantization_config" in config
+        if what == "BASE" and has_quant:
+            raise EvalError(f"BASE {path} is quantized; pass the original checkpoint it was made from")
+        if what == "QUANT":
+            if not has_quant:
+                raise EvalError(f"QUANT {path} is not a cpu_int4 checkpoint (no quantization_config)")
+            try:
+                parse_config(config["quantization_config"])
+            except ValueError as err:
+                raise EvalError(f"QUANT {path} is not a cpu_int4 checkpoint: {err}") from err
+        if not any(path.glob("*.safetensors")):
+            raise EvalError(f"{what} {path} has no *.safetensors weight files")
+    if not text.is_file():
+        raise EvalError(f"--text {text} is not a file")
+    if context < 2:
+        raise EvalError(f"--context must be at least 2 tokens, not {context}")
+    if max_tokens is not None and max_tokens < 2:
+        raise EvalError(f"--max-tokens must be at least 2, not {max_tokens}")
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise EvalError(f"{what} {path.parent} has no config.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise EvalError(f"{what} {path} is not valid JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise EvalError(f"{what} {path} is not a JSON object")
+    return data
+
+
 def load_tokens(tokenizer_dir: Path, text_file: Path, max_tokens: int | None) -> list[int]:
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(tokenizer_dir).encode(text_file.read_text(), add_special_tokens=False)
-    return ids[:max_tokens] if max_tokens else ids
+    try:
+        text = text_file.read_text()
+    except UnicodeDecodeError as err:
+        raise EvalError(f"--text {text_file} is not UTF-8 text: {err}") from err
+    ids = AutoTokenizer.from_pretrained(tokenizer_dir).encode(text, add_special_tokens=False)
+    ids = ids[:max_tokens] if max_tokens else ids
+    if len(ids) < 2:
+        raise EvalError(f"--text {text_file} has {len(ids)} tokens; at least 2 are needed to score one")
+    return ids
 
 
 def evaluate(
@@ -69,17 +126,19 @@ def evaluate(
     text: Path,
     context: int = 1024,
     max_tokens: int | None = None,
-    engine: str = "torch",
+    engine: str = Engine.torch,
     progress: Progress | None = None,
 ) -> EvalResult:
     """Compare BASE and its cpu_int4 output QUANT on a text."""
     from transformers import AutoModelForCausalLM
 
+    check_inputs(base, quant, text, context, max_tokens)
+    engine = Engine(engine)
     from .dequantized import load_reference_model
 
     ids = load_tokens(quant, text, max_tokens)
     base_model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).eval()
-    quant_side = load_reference_model(quant) if engine == "torch" else _VllmScorer(quant, context)
+    quant_side = load_reference_model(quant) if engine == Engine.torch else _VllmScorer(quant, context)
     total = sum(len(w) - 1 for w in windows(ids, context))
     nll_b, nll_q, kld, agree, top5 = [], [], [], [], []
     for window in windows(ids, context):
@@ -87,7 +146,7 @@ def evaluate(
         logp_b = _torch_logprobs(base_model, window)
         top_b = logp_b.argmax(-1)
         nll_b.append(-logp_b.gather(1, targets[:, None])[:, 0])
-        if engine == "torch":
+        if engine == Engine.torch:
             logp_q = _torch_logprobs(quant_side, window)
             nll_q.append(-logp_q.gather(1, targets[:, None])[:, 0])
             kld.append(kl_divergence(logp_b, logp_q))
@@ -106,8 +165,22 @@ def evaluate(
         kld=float(torch.cat(kld).mean()) if kld else None,
         top1_agreement=float(torch.cat(agree).float().mean()),
         top5_containment=float(torch.cat(top5).float().mean()),
-        engine=engine,
+        engine=engine.value,
     )
+
+
+def verdict(result: EvalResult) -> str:
+    """One line that says how much the quantization costs on this text."""
+    rel = result.delta_ppl / result.ppl_base
+    if rel < 0.01:
+        level = "near-lossless"
+    elif rel < 0.05:
+        level = "a small loss"
+    elif rel < 0.15:
+        level = "a noticeable loss"
+    else:
+        level = "a large loss: try --group-size 32 or --method search"
+    return f"verdict: {level} (PPL {result.ppl_base:.2f} -> {result.ppl_quant:.2f}, {rel:+.1%})"
 
 
 def _torch_logprobs(model, window: list[int]) -> torch.Tensor:

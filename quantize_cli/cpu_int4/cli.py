@@ -181,6 +181,22 @@ def eval_cmd(
         add_quality_to_card(quant, result, text)
 
 
+@app.command("doctor")
+def doctor_cmd(
+    fix: Annotated[bool, typer.Option(help="Repair what can be repaired, and say what was done.")] = False,
+) -> None:
+    """Check that vLLM can serve cpu_int4 checkpoints here (metadata, companions, plugin, kernels)."""
+    from .doctor import run_checks
+
+    out = Console()
+    checks = run_checks(fix=fix)
+    for check in checks:
+        mark = "[green]ok[/green]  " if check.ok else "[red]FAIL[/red]"
+        out.print(f"{mark} {check.name}: {check.detail}", highlight=False, soft_wrap=True)
+    if not all(check.ok for check in checks):
+        raise typer.Exit(1)
+
+
 def print_eval(result) -> None:
     """The eval table and a one-line verdict."""
     table = Table("metric", "value", box=None, padding=(0, 2))

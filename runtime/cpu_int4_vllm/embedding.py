@@ -1,7 +1,7 @@
 """The embedding method: a quantized vocab table that also serves as the (tied) output head.
 
 A row lookup cannot address the kernel's blocked layout, so the table keeps the row-major
-tensors for `embedding()` and the kernel layout for the head GEMM (DESIGN §1.3). A table that
+tensors for `embedding()` and the kernel layout for the head GEMM (docs/format.md). A table that
 is not also the head keeps only the row-major tensors.
 """
 
@@ -25,7 +25,7 @@ class CpuInt4EmbeddingMethod(CpuInt4LinearMethod):
             build_kernel_weights(layer, self.config, keep_rowmajor_for_lookup=True)
         else:
             # Only looked up: a kernel copy would cost another 0.5 bytes a weight for nothing.
-            check_all_loaded(layer)
+            check_all_loaded(layer, self.config)
             del layer.int4_loaded_shards
 
     def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module) -> torch.nn.Module:

@@ -1,14 +1,14 @@
 // cpu_int4's own kernels: the decode GEMV y = x @ W^T for a few bf16 rows x with W in 4-bit
 // groups, the dequantize for prefill, and the quantizer's min/max quantize.
 //
-// Runtime layout (built by layout.pack_native from the checkpoint's row-major nibbles; nothing
+// Runtime layout (built by native_layout.pack_native from the checkpoint's row-major nibbles; nothing
 // on disk changes):
 //   packed  int32 [N/16][K/8][16]     lane j of step c: the 8 codes q[16b+j][8c .. 8c+7]; nibble
 //                                     slot s (bits 4s..4s+3) holds k = 8c + kSlotK[s]
 //   sz      bf16  [N/16][K/g][2][16]  scale, then zero, of rows 16b..16b+15 in group g
 // One SIMD lane per output row, so a block streams its bytes front to back and no horizontal
 // sum is ever needed. Per group and row: y += s * sum(x*q) + (z - 8s) * sum(x), which is
-// w = (q - 8) * s + z from DESIGN §1 with the zero folded out of the inner loop.
+// w = (q - 8) * s + z (docs/format.md) with the zero folded out of the inner loop.
 //
 // The slot order puts codes k and k+1 in bits 4t and 16+4t, so one shift and one mask give
 // a lane with two codes 16 bits apart: exactly the bf16 pair AVX-512 BF16's dot product takes
@@ -37,6 +37,9 @@
 #define AVX2 __attribute__((target("avx2,fma")))
 
 namespace {
+
+// The kernel paths; the values are those of native.Isa on the Python side.
+enum class Isa : int64_t { kAvx2 = 1, kAvx512Bf16 = 2 };
 
 constexpr int kBlock = 16;         // output rows per block, one per lane of a 512-bit vector
 constexpr int kStep = 8;           // codes per lane per int32
@@ -171,17 +174,34 @@ void check_weights(const at::Tensor& packed, const at::Tensor& sz, int64_t group
   TORCH_CHECK(sz.dtype() == at::kBFloat16 && sz.dim() == 4 && sz.size(0) == packed.size(0) && sz.size(2) == 2 &&
                   sz.size(3) == kBlock && sz.is_contiguous(),
               "cpu_int4 native: scales must be contiguous bf16 [N/16, K/g, 2, 16]");
-  TORCH_CHECK(group_size % kStep == 0 && sz.size(1) * group_size == packed.size(1) * kStep,
-              "cpu_int4 native: group size ", group_size, " does not match the tensors");
+  // The AVX-512 loop takes two 8-code steps at a time: a group must hold whole pairs of steps.
+  TORCH_CHECK(group_size > 0 && group_size % (2 * kStep) == 0, "cpu_int4 native: group size ", group_size,
+              " is not a multiple of ", 2 * kStep);
+  TORCH_CHECK(sz.size(1) * group_size == packed.size(1) * kStep, "cpu_int4 native: group size ", group_size,
+              " does not match the tensors");
 }
 
-// y [M, N] fp32 = x [M, K] @ W^T. isa: 2 = AVX-512 BF16, 1 = AVX2 (the caller picks what the CPU has).
+// The path asked for, refused when unknown or when this CPU cannot run its instructions.
+Isa checked_isa(int64_t isa) {
+  TORCH_CHECK(isa == static_cast<int64_t>(Isa::kAvx2) || isa == static_cast<int64_t>(Isa::kAvx512Bf16),
+              "cpu_int4 native: isa must be 1 (AVX2) or 2 (AVX-512 BF16), got ", isa);
+  if (isa == static_cast<int64_t>(Isa::kAvx512Bf16)) {
+    TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"),
+                "cpu_int4 native: this CPU has no AVX-512 BF16 instructions");
+  } else {
+    TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+                "cpu_int4 native: this CPU has no AVX2 and FMA instructions");
+  }
+  return static_cast<Isa>(isa);
+}
+
+// y [M, N] fp32 = x [M, K] @ W^T on the path `isa` (an Isa value).
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t group_size,
                      int64_t isa) {
   check_weights(packed, sz, group_size);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1) * kStep && x.dtype() == at::kBFloat16,
               "cpu_int4 native: x must be bf16 [M, K]");
-  TORCH_CHECK(isa == 1 || isa == 2, "cpu_int4 native: isa must be 1 (AVX2) or 2 (AVX-512 BF16)");
+  const Isa path = checked_isa(isa);
   const at::Tensor xb = x.contiguous();
   const at::Tensor xf = xb.to(at::kFloat);
   const int64_t M = xb.size(0), K = xb.size(1), blocks = packed.size(0), G = sz.size(1);
@@ -193,7 +213,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
                   packed.data_ptr<int32_t>(),
                   reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>()),
                   M, K, blocks * kBlock, G, group_size};
-  const BlockFn* table = isa == 2 ? kAvx512Bf16 : kAvx2;
+  const BlockFn* table = path == Isa::kAvx512Bf16 ? kAvx512Bf16 : kAvx2;
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     float ybuf[kMaxRowsAtOnce * kBlock];
@@ -270,7 +290,7 @@ AVX2 void dequant_step_avx2(const Dequant& D, int64_t blk, int64_t c) {
 void int4_dequantize_t(const at::Tensor& packed, const at::Tensor& sz, int64_t group_size, int64_t isa,
                        at::Tensor& wt) {
   check_weights(packed, sz, group_size);
-  TORCH_CHECK(isa == 1 || isa == 2, "cpu_int4 native: isa must be 1 (AVX2) or 2 (AVX-512 BF16)");
+  const Isa path = checked_isa(isa);
   const int64_t blocks = packed.size(0), K = packed.size(1) * kStep, N = blocks * kBlock;
   const at::ScalarType dtype = wt.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "cpu_int4 native: dequantize to fp32 or bf16");
@@ -281,7 +301,7 @@ void int4_dequantize_t(const at::Tensor& packed, const at::Tensor& sz, int64_t g
                   K, N, sz.size(1), group_size,
                   dtype == at::kFloat ? wt.data_ptr<float>() : nullptr,
                   dtype == at::kBFloat16 ? reinterpret_cast<uint16_t*>(wt.data_ptr<at::BFloat16>()) : nullptr};
-  const auto step_fn = isa == 2 ? dequant_step_avx512 : dequant_step_avx2;
+  const auto step_fn = path == Isa::kAvx512Bf16 ? dequant_step_avx512 : dequant_step_avx2;
   // A tile of blocks at a time, steps outermost: each row of W^T then gets kDequantTile * 16
   // adjacent columns in one go. Block by block, every 32-byte store landed on another page and
   // the bf16 dequantize ran at 2 GB/s.

@@ -1,15 +1,25 @@
-"""The linear method: vLLM parameters for the three checkpoint tensors, the int4 linear to run."""
+"""The linear method: vLLM parameters for the three checkpoint tensors, the int4 linear to run.
+
+The kernel work is a backend's (native_backend.py, or tinygemm_backend.py where the native
+kernels cannot run), chosen once per process.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
 from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
 
-from . import native
-from .format import PACKED_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX, shape_problem
-from .kernels import int4_linear, int4_linear_op, native_linear, native_linear_op, prepare_kernel_weights
-from .native_layout import pack_native
+from . import native, native_backend, tinygemm_backend
+from .format import PACKED_SUFFIX, QUANTIZED_SUFFIXES, quantized_tensors, shape_problem
+
+
+@functools.cache
+def backend():
+    """The backend module for this process: the native kernels when they run here."""
+    return native_backend if native.isa() is not None else tinygemm_backend
 
 
 def create_int4_weights(
@@ -27,22 +37,19 @@ def create_int4_weights(
         raise ValueError(f"cpu_int4: layer {getattr(layer, 'prefix', '')} cannot be int4 here: {problem}")
     layer.int4_loaded_shards = {}  # tensor name -> shard ids loaded, to catch a missing tensor
     layer.int4_weight_shape = (n, k)
-    packed = PackedvLLMParameter(
-        data=torch.empty(n, k // 2, dtype=torch.uint8),
-        input_dim=1,
-        output_dim=0,
-        packed_factor=2,
-        packed_dim=1,
-        weight_loader=_checked(layer, PACKED_SUFFIX, weight_loader, torch.uint8, input_size // 2, config),
-    )
-    layer.register_parameter(PACKED_SUFFIX, packed)
-    for name in (SCALE_SUFFIX, ZERO_SUFFIX):
-        param = GroupQuantScaleParameter(
-            data=torch.empty(n, k // g, dtype=torch.bfloat16),
-            input_dim=1,
-            output_dim=0,
-            weight_loader=_checked(layer, name, weight_loader, torch.bfloat16, input_size // g, config),
-        )
+    # This rank's share, and the whole tensor's columns that the checkpoint must have.
+    shares = quantized_tensors("", n, k, g)
+    whole = quantized_tensors("", n, input_size, g)
+    for share, full in zip(shares, whole, strict=True):
+        name = share.name.lstrip(".")
+        loader = _checked(layer, name, weight_loader, share.torch_dtype, full.shape[1], config)
+        data = torch.empty(share.shape, dtype=share.torch_dtype)
+        if name == PACKED_SUFFIX:
+            param = PackedvLLMParameter(
+                data=data, input_dim=1, output_dim=0, packed_factor=2, packed_dim=1, weight_loader=loader
+            )
+        else:
+            param = GroupQuantScaleParameter(data=data, input_dim=1, output_dim=0, weight_loader=loader)
         layer.register_parameter(name, param)
 
 
@@ -71,61 +78,47 @@ def _checked(layer, name: str, loader, dtype: torch.dtype, columns: int, config)
     return load
 
 
-def check_all_loaded(layer) -> None:
-    """Raise naming the tensor if the checkpoint lacked one of this layer's tensors (or shards).
+def check_all_loaded(layer, config) -> None:
+    """Raise naming the checkpoint tensor if the checkpoint lacked one of this layer's tensors.
 
     vLLM counts a fused parameter as loaded once any shard arrived, so a missing
     `k_proj.weight_scale` would otherwise leave uninitialized memory in the fused qkv layer.
     """
     shards = max(1, len(getattr(layer, "output_partition_sizes", [None])))
     where = getattr(layer, "prefix", "") or "layer"
-    for name in (PACKED_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX):
+    for name in QUANTIZED_SUFFIXES:
         loaded = layer.int4_loaded_shards.get(name, set())
-        if None not in loaded and len(loaded) < shards:
-            got = sorted(map(str, loaded))
-            raise ValueError(
-                f"cpu_int4: {where}.{name} is missing from the checkpoint (shards {got} of {shards})"
-            )
+        if None in loaded or len(loaded) == shards:
+            continue
+        # Shard ids are "q"/"k"/"v" for attention, 0, 1, ... for other fused layers.
+        got = {"qkv".index(s) if isinstance(s, str) else int(s) for s in loaded}
+        missing = min(set(range(shards)) - got)
+        parent, _, fused = where.rpartition(".")
+        parts = config.packed_modules_mapping.get(fused, [])
+        source = f"{parent}.{parts[missing]}" if len(parts) == shards else f"{where} (part {missing})"
+        raise ValueError(f"cpu_int4: {source}.{name} is missing from the checkpoint")
 
 
 def build_kernel_weights(layer, config, keep_rowmajor_for_lookup: bool = False) -> None:
-    """Replace the checkpoint tensors by the kernel's; the row-major ones stay only if needed."""
-    check_all_loaded(layer)
-    packed, scale, zero = layer.weight_packed.data, layer.weight_scale.data, layer.weight_zero.data
+    """Replace the checkpoint tensors by the backend's; the row-major ones stay only if needed."""
+    check_all_loaded(layer, config)
     native.request_amx()
-    layer.int4_native = native.isa() is not None
-    if layer.int4_native:
-        kernel_packed, scales_and_zeros = pack_native(packed, scale, zero)
-        rowmajor = None  # the native layout is ours: nothing to distrust
-    else:
-        kernel_packed, scales_and_zeros, rowmajor = prepare_kernel_weights(
-            packed, scale, zero, config.direct_dequant
-        )
-    layer.int4_packed = torch.nn.Parameter(kernel_packed, requires_grad=False)
-    layer.scales_and_zeros = torch.nn.Parameter(scales_and_zeros, requires_grad=False)
-    layer.int4_rowmajor = None if rowmajor is None else torch.nn.Parameter(rowmajor, requires_grad=False)
+    tensors = backend().prepare(
+        layer.weight_packed.data, layer.weight_scale.data, layer.weight_zero.data, config
+    )
+    for name, tensor in tensors.items():
+        setattr(layer, name, None if tensor is None else torch.nn.Parameter(tensor, requires_grad=False))
+    layer.int4_backend = backend().NAME
     del layer.int4_loaded_shards
     if keep_rowmajor_for_lookup:
         return
-    for name in (PACKED_SUFFIX, SCALE_SUFFIX, ZERO_SUFFIX):
+    for name in QUANTIZED_SUFFIXES:
         delattr(layer, name)
 
 
 def apply_int4(layer, config, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T (+ bias) through the custom op (or the plain function when use_custom_op is off)."""
-    if layer.int4_native:
-        fn = native_linear_op if config.use_custom_op else native_linear
-        out = fn(x.to(torch.bfloat16), layer.int4_packed, layer.scales_and_zeros, config.group_size)
-        return out if bias is None else out + bias
-    fn = int4_linear_op if config.use_custom_op else int4_linear
-    out = fn(
-        x.to(torch.bfloat16),
-        layer.int4_packed,
-        layer.scales_and_zeros,
-        config.group_size,
-        config.dequant_threshold,
-        layer.int4_rowmajor,
-    )
+    """x @ W.T (+ bias) on this process's backend."""
+    out = backend().linear(x.to(torch.bfloat16), layer, config)
     return out if bias is None else out + bias
 
 

@@ -1,15 +1,18 @@
-"""cpu_int4's own compiled kernels (int4_kernels.cpp): build them once, load them.
+"""cpu_int4's own compiled kernels (int4_kernels.cpp): the ISA paths, building and loading them.
 
-The decode GEMV keeps one SIMD lane per output row and streams its layout front to back, at
-the memory's speed on 2 cores; with its min/max pass the quantizer runs ~6x a plain PyTorch
-one (bench/quantize.py). `make install` builds the library (`python -m cpu_int4_vllm.native`);
-when it is missing, stale, turned off (CPU_INT4_NATIVE=0) or fails to load, the runtime says
-so once and uses the PyTorch paths.
+The library is built on first use into a per-user cache, keyed by the source, the torch it is
+built against and the compiler, so an edited kernel or a new torch gets a fresh build and a
+plain `pip install` needs no extra step (`python -m cpu_int4_vllm.native` builds it ahead,
+as `make install` does). When it cannot be built or loaded, when the CPU lacks AVX2, or with
+CPU_INT4_NATIVE=0, the runtime says why once and uses PyTorch's tinygemm kernel instead.
 """
 
 from __future__ import annotations
 
+import enum
+import fcntl
 import functools
+import hashlib
 import logging
 import os
 import subprocess
@@ -23,75 +26,114 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("int4_kernels.cpp")
-LIBRARY = Path(__file__).with_name("_int4_kernels.so")
-AVX512_BF16, AVX2 = 2, 1  # the kernel's isa argument
 
 
-def build(output: Path = LIBRARY) -> Path:
-    """Compile the kernel against the installed torch; the library appears only when complete."""
+class Isa(enum.IntEnum):
+    """The kernel's code paths; the values are those of `enum class Isa` in int4_kernels.cpp."""
+
+    AVX2 = 1  # AVX2 + FMA: also every AVX-512 CPU without BF16 dot products
+    AVX512_BF16 = 2  # AVX-512F + AVX512_BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later)
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+def _command(output: Path) -> list[str]:
     from torch.utils.cpp_extension import include_paths, library_paths
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
-        staged = Path(tmp) / output.name
-        command = [
-            os.environ.get("CXX", "g++"),
-            "-O3",
-            "-std=c++20",
-            "-Wno-psabi",  # the SIMD helpers pass vectors between functions of one ISA only
-            "-ffp-contract=off",  # the quantizer must round exactly as PyTorch does
-            "-shared",
-            "-fPIC",
-            "-fopenmp",  # at::parallel_for runs on torch's own OpenMP pool (same libgomp soname)
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            *(f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]),
-            str(SOURCE),
-            *(f"-L{p}" for p in library_paths()),
-            "-lc10",
-            "-ltorch_cpu",
-            "-o",
-            str(staged),
-        ]
-        subprocess.run(command, check=True)
-        os.replace(staged, output)
+    return [
+        _compiler(),
+        "-O3",
+        "-std=c++20",
+        "-Wno-psabi",  # the SIMD helpers pass vectors between functions of one ISA only
+        "-ffp-contract=off",  # the quantizer must round exactly as PyTorch does
+        "-shared",
+        "-fPIC",
+        "-fopenmp",  # at::parallel_for runs on torch's own OpenMP pool (same libgomp soname)
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]),
+        str(SOURCE),
+        *(f"-L{p}" for p in library_paths()),
+        "-lc10",
+        "-ltorch_cpu",
+        "-o",
+        str(output),
+    ]
+
+
+def cache_dir() -> Path:
+    """Where built libraries live: $CPU_INT4_CACHE, else $XDG_CACHE_HOME/cpu-int4 (~/.cache)."""
+    if os.environ.get("CPU_INT4_CACHE"):
+        return Path(os.environ["CPU_INT4_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cpu-int4"
+
+
+def library_path() -> Path:
+    """The library for this source, torch and compiler (a change in any means a new build)."""
+    return cache_dir() / f"int4_kernels-{_build_key()}.so"
+
+
+@functools.cache
+def _build_key() -> str:
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(" ".join(_command(Path("out"))).encode())
+    key.update(torch.__version__.encode())
+    return key.hexdigest()[:16]
+
+
+def build(output: Path | None = None) -> Path:
+    """Compile the kernels; the library appears only when complete, under a lock so that
+    processes starting together (vLLM's workers) build it once."""
+    output = output or library_path()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with open(output.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if output.exists():
+            return output  # another process built it while this one waited
+        logger.warning("cpu_int4: building the native kernels into %s (once, ~15 s)", output)
+        with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
+            staged = Path(tmp) / output.name
+            subprocess.run(_command(staged), check=True, capture_output=True, text=True)
+            os.replace(staged, output)
     return output
 
 
-def host_isa() -> int | None:
+def host_isa() -> Isa | None:
     """The kernel path this CPU runs: AVX-512 with BF16 dot products, else AVX2, else None.
 
     Follows PyTorch's capability (so ATEN_CPU_CAPABILITY=avx2 forces the AVX2 path here too).
     """
     capability = torch.backends.cpu.get_cpu_capability()
     if capability.startswith("AVX512"):
-        return AVX512_BF16 if torch.cpu.get_capabilities().get("avx512_bf16", False) else AVX2
-    return AVX2 if capability == "AVX2" else None
+        return Isa.AVX512_BF16 if torch.cpu.get_capabilities().get("avx512_bf16", False) else Isa.AVX2
+    return Isa.AVX2 if capability == "AVX2" else None
 
 
 def problem() -> str | None:
-    """Why the kernel cannot run here, or None when it can."""
+    """Why the kernels cannot run here before any build is tried, or None."""
     if os.environ.get("CPU_INT4_NATIVE", "1") == "0":
         return "turned off by CPU_INT4_NATIVE=0"
     if host_isa() is None:
         return f"this CPU offers {torch.backends.cpu.get_cpu_capability()}, the kernel needs AVX2"
-    if not LIBRARY.exists():
-        return f"{LIBRARY.name} is not built (run `python -m cpu_int4_vllm.native`)"
-    if LIBRARY.stat().st_mtime < SOURCE.stat().st_mtime:
-        return f"{LIBRARY.name} is older than {SOURCE.name} (run `python -m cpu_int4_vllm.native`)"
     return None
 
 
 @functools.lru_cache(maxsize=1)
-def isa() -> int | None:
-    """Load the kernel once per process; its isa argument, or None to use tinygemm."""
+def isa() -> Isa | None:
+    """Build if needed and load the kernels once per process; the path to run, or None to use
+    tinygemm."""
     reason = problem()
     if reason is None:
         try:
-            torch.ops.load_library(str(LIBRARY))
-        except OSError as err:
-            reason = f"{LIBRARY.name} failed to load: {err}"
+            torch.ops.load_library(str(library_path() if library_path().exists() else build()))
+        except subprocess.CalledProcessError as err:
+            reason = f"the build failed: {(err.stderr or '').strip().splitlines()[-1:] or err}"
+        except OSError as err:  # no compiler, a read-only cache, a library that does not load
+            reason = f"cannot build or load them: {err}"
     if reason is not None:
-        logger.warning("cpu_int4: native kernels unavailable (%s); using the PyTorch paths", reason)
+        logger.warning("cpu_int4: native kernels unavailable (%s); using PyTorch's int4 kernel", reason)
         return None
     return host_isa()
 
@@ -102,18 +144,23 @@ def request_amx() -> None:
 
     vLLM's CPU attention uses AMX but leaves that request to oneDNN's first bf16 GEMM. When
     the int4 paths (either kernel, or the fp32 dense path) serve a short first request, no such
-    GEMM runs and the attention died with SIGILL (DESIGN §2's "AMX hazard", reproduced here
-    with both kernels).
+    GEMM runs and the attention died with SIGILL (docs/runtime.md, reproduced here with both
+    kernels).
     """
     if torch.cpu._is_amx_tile_supported():
         torch.cpu._init_amx()
 
 
 if __name__ == "__main__":
+    logging.basicConfig(format="%(message)s")
     try:
-        print(f"built {build()}")
+        target = library_path()
+        target.unlink(missing_ok=True)  # `make kernel`: always a fresh build
+        print(f"built {build(target)}")
     except (subprocess.CalledProcessError, OSError) as err:
         # The runtime falls back to tinygemm; an install must not fail for want of a compiler.
+        detail = getattr(err, "stderr", "") or err
         print(
-            f"cpu_int4: native kernel not built ({err}); PyTorch's int4 kernel will be used", file=sys.stderr
+            f"cpu_int4: native kernels not built ({detail}); PyTorch's int4 kernel will be used",
+            file=sys.stderr,
         )

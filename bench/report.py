@@ -1,10 +1,10 @@
-"""What a loaded model holds for its int4 layers: for checking memory from `LLM.apply_model`."""
+"""What a loaded model holds for its int4 layers: for tests and benchmarks, run inside vLLM's
+worker with `LLM.apply_model`."""
 
 from __future__ import annotations
 
 import torch
-
-from .format import PACKED_SUFFIX
+from cpu_int4_vllm.format import PACKED_SUFFIX
 
 PACKED_CODE_TENSORS = (PACKED_SUFFIX, "int4_packed", "int4_rowmajor")  # the tensors holding codes
 
@@ -14,8 +14,8 @@ def int4_memory_report(model: torch.nn.Module) -> dict:
 
     Run inside vLLM's worker with `llm.apply_model(int4_memory_report)`.
     """
-    from .embedding import CpuInt4EmbeddingMethod
-    from .linear import CpuInt4LinearMethod
+    from cpu_int4_vllm.embedding import CpuInt4EmbeddingMethod
+    from cpu_int4_vllm.linear import CpuInt4LinearMethod
 
     modules = {}
     for name, module in model.named_modules():
@@ -29,7 +29,7 @@ def int4_memory_report(model: torch.nn.Module) -> dict:
             "kind": "embedding" if isinstance(method, CpuInt4EmbeddingMethod) else "linear",
             "packed_bytes_one_copy": one_copy,
             "packed_bytes_held": held,
-            "native_kernel": bool(getattr(module, "int4_native", False)),
+            "backend": getattr(module, "int4_backend", None),
             "tensors": sorted(n for n, _ in module.named_parameters()),
         }
     # named_modules() lists a shared module once: a tied head shows up under the table's name.

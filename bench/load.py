@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from wikitext import wiki_text
 
 REPO = Path(__file__).resolve().parent.parent
-WIKI = REPO.parent / "shared" / "data" / "wiki.test.raw"
 STARTUP_S = 600
 REQUEST_S = 300
 COMPARED_TOKENS = 16
@@ -102,7 +102,7 @@ def make_requests(tokenizer_dir: Path, count: int, seed: int = 0) -> list[dict]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    ids = tok.encode(WIKI.read_text()[:400_000], add_special_tokens=False)
+    ids = tok.encode(wiki_text().read_text()[:400_000], add_special_tokens=False)
     rng = random.Random(seed)
     requests = []
     for i in range(count):

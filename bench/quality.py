@@ -20,8 +20,7 @@ sys.path.insert(0, str(REPO / "examples"))
 from cpu_int4.evaluate import evaluate  # noqa: E402
 from cpu_int4.quantize import quantize  # noqa: E402
 from smollm2 import build_demo_model  # noqa: E402
-
-WIKI = REPO.parent / "shared" / "data" / "wiki.test.raw"
+from wikitext import wiki_text  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +39,7 @@ def main() -> None:
                 start = time.perf_counter()
                 quantize(str(base), out, group_size=g, method=method)
                 seconds = time.perf_counter() - start
-                r = evaluate(base, out, WIKI, context=args.context, max_tokens=args.max_tokens)
+                r = evaluate(base, out, wiki_text(), context=args.context, max_tokens=args.max_tokens)
                 rows.append((g, method, r, seconds))
                 print(f"done g={g} {method}", file=sys.stderr, flush=True)
     print(

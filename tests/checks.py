@@ -20,7 +20,7 @@ def load_all(path: Path) -> dict[str, torch.Tensor]:
 
 
 def check_output(source: Path, out: Path) -> dict:
-    """Assert DESIGN §1 for every tensor: quantized ones within half a step (plus bf16 rounding
+    """Assert docs/format.md for every tensor: quantized ones within half a step (plus bf16 rounding
     of scale/zero) with each group's min and max reproduced; the rest bit-identical."""
     src = load_all(source)
     dst = load_all(out)

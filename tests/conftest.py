@@ -14,6 +14,13 @@ sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from smollm2 import build_demo_model  # noqa: E402
+from wikitext import wiki_text  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def wiki() -> Path:
+    """The WikiText-2 test text (CPU_INT4_WIKITEXT, default ../shared/data/wiki.test.raw)."""
+    return wiki_text()
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +39,7 @@ def demo_quantized(demo_model, tmp_path_factory) -> Path:
     return out
 
 
-# Engine settings for 2-core hosts (DESIGN §3): use both cores, and allow apply_model() to
+# Engine settings for 2-core hosts (docs/runtime.md): use both cores, and allow apply_model() to
 # send a test's inspection function into the worker.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")

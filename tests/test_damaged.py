@@ -13,12 +13,16 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+pytestmark = pytest.mark.vllm  # every test loads a real engine in a child process
+
 LOAD = """
 from vllm import LLM
 llm = LLM(model={path!r}, enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=1 << 28)
 print("LOADED-AND-SERVING", llm.generate(["Hello"])[0].outputs[0].text)
 """
 LAYER = "model.layers.3.self_attn.k_proj"
+# The engine's worker unpickles report.int4_memory_report: it must find bench/ from its start.
+WITH_REPORT = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "bench")}
 
 
 def damage_tensors(folder, edit):
@@ -78,12 +82,8 @@ def test_damaged_checkpoint_fails_at_load_naming_the_problem(case, demo_quantize
     assert "SIGILL" not in output and "Segmentation fault" not in output
 
 
-REPORT = f"""
-import sys
-sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / "bench")!r})
+REPORT = """
 from report import int4_memory_report
-
-pytestmark = pytest.mark.vllm  # each module shares one engine (or starts a few)
 print("INT4-MODULES", sorted(llm.apply_model(int4_memory_report)[0]["modules"]))
 """
 
@@ -101,6 +101,7 @@ def test_the_control_loads_with_ignored_layers_and_unknown_keys(demo_model, tmp_
         capture_output=True,
         text=True,
         timeout=600,
+        env=WITH_REPORT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "LOADED-AND-SERVING" in proc.stdout
@@ -124,7 +125,7 @@ def test_serves_on_pytorchs_kernel_when_the_native_one_is_off(demo_quantized):
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "CPU_INT4_NATIVE": "0"},
+        env={**WITH_REPORT, "CPU_INT4_NATIVE": "0"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "native kernels unavailable (turned off by CPU_INT4_NATIVE=0)" in proc.stdout + proc.stderr

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +18,6 @@ from hypothesis import strategies as st
 from tiny_models import tiny_llama
 from typer.testing import CliRunner
 
-WIKI = Path(__file__).resolve().parents[2] / "shared" / "data" / "wiki.test.raw"
 WIKI_MAX_TOKENS = 2048
 
 
@@ -31,7 +29,7 @@ def test_kl_divergence_matches_torch_and_is_zero_for_itself():
     assert torch.allclose(kl_divergence(logp, logq), expected, atol=1e-5)
 
 
-def test_uniform_predictor_has_vocab_size_perplexity_and_zero_kld(tmp_path, demo_model):
+def test_uniform_predictor_has_vocab_size_perplexity_and_zero_kld(tmp_path, demo_model, wiki):
     """A model whose head is all zeros predicts uniformly: PPL = vocab size, KLD(self) = 0."""
     from safetensors.torch import load_file, save_file
 
@@ -42,7 +40,7 @@ def test_uniform_predictor_has_vocab_size_perplexity_and_zero_kld(tmp_path, demo
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(demo_model / name, src / name)
     quantize(str(src), tmp_path / "q")
-    result = evaluate(src, tmp_path / "q", WIKI, context=256, max_tokens=600)
+    result = evaluate(src, tmp_path / "q", wiki, context=256, max_tokens=600)
     assert math.isclose(result.ppl_base, 49152, rel_tol=1e-4)
     assert math.isclose(result.ppl_quant, 49152, rel_tol=1e-4)
     assert abs(result.kld) < 1e-7
@@ -126,7 +124,7 @@ def test_search_is_written_into_config_and_card(tmp_path):
 
 
 @pytest.mark.vllm
-def test_vllm_engine_agrees_with_reference_and_fills_the_card(demo_model, demo_quantized, tmp_path):
+def test_vllm_engine_agrees_with_reference_and_fills_the_card(demo_model, demo_quantized, tmp_path, wiki):
     quant = tmp_path / "q"
     shutil.copytree(demo_quantized, quant)
     runner = CliRunner()
@@ -138,7 +136,7 @@ def test_vllm_engine_agrees_with_reference_and_fills_the_card(demo_model, demo_q
             str(demo_model),
             str(quant),
             "--text",
-            str(WIKI),
+            str(wiki),
             "--max-tokens",
             str(WIKI_MAX_TOKENS),
             "--engine",

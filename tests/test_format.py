@@ -1,4 +1,4 @@
-"""The format's math: nibble packing and min/max quantization (DESIGN §1)."""
+"""The format's math: nibble packing and min/max quantization (docs/format.md)."""
 
 import torch
 from cpu_int4_vllm.format import (

@@ -17,9 +17,9 @@ def test_layout_matches_the_measured_isa_facts():
     isa = torch.backends.cpu.get_cpu_capability()
     main_block = learn_layout(2048).segments[0].block_rows
     if isa.startswith("AVX512"):
-        assert main_block == 64  # DESIGN §2.1: [N/64][K][32 bytes]
+        assert main_block == 64  # docs/runtime.md: [N/64][K][32 bytes]
     elif isa == "AVX2":
-        assert main_block == 32  # DESIGN §2.1: [N/32][K][16 bytes] ...
+        assert main_block == 32  # docs/runtime.md: [N/32][K][16 bytes] ...
         tail = learn_layout(48).segments[-1]
         assert (tail.block_rows, tail.rows) == (16, 16)  # ... and a trailing 16-row block
         assert learn_layout(48).order[32:40].tolist() == [32, 34, 36, 38, 40, 42, 44, 46]

@@ -9,9 +9,8 @@ import pytest
 import torch
 from cpu_int4.dequantized import load_reference_model
 
-pytestmark = pytest.mark.vllm  # each module shares one engine (or starts a few)
+pytestmark = pytest.mark.vllm  # one engine (or server) shared by the module
 
-WIKI = Path(__file__).resolve().parents[2] / "shared" / "data" / "wiki.test.raw"
 KV_BYTES = 1 << 30
 GREEDY16 = dict(max_tokens=16, temperature=0.0)
 PROMPTS = [
@@ -45,10 +44,10 @@ def bf16_llm(demo_model):
 
 
 @pytest.fixture(scope="module")
-def wiki_ids(demo_model) -> list[int]:
+def wiki_ids(demo_model, wiki) -> list[int]:
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(demo_model).encode(WIKI.read_text()[:20000])
+    ids = AutoTokenizer.from_pretrained(demo_model).encode(wiki.read_text()[:20000])
     return ids[:1025]  # 1,024 predicted positions
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from load import make_requests, run_load, serve
 
-pytestmark = pytest.mark.vllm  # each module shares one engine (or starts a few)
+pytestmark = pytest.mark.vllm  # one engine (or server) shared by the module
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 
 def tiny_llama(path: Path, dtype=torch.bfloat16, intermediate_size=128, max_shard_size=None, **kw) -> Path:
@@ -52,7 +54,42 @@ def tiny_qwen2(path: Path, dtype=torch.bfloat16) -> Path:
 
 def _save(config, path: Path, dtype, max_shard_size) -> Path:
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    auto = AutoModel if config.model_type == "bert" else AutoModelForCausalLM
+    model = auto.from_config(config).to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
+    return path
+
+
+def sentence_bert(path: Path, tokenizer_from: Path) -> Path:
+    """A sentence-transformers-style BERT encoder: mean pooling (1_Pooling/), then 2_Normalize/.
+
+    Head dim 64 (vLLM's CPU attention has no kernel for 16); the tokenizer files are copied from
+    `tokenizer_from`, whose vocabulary size the model takes.
+    """
+    from transformers import AutoTokenizer, BertConfig
+
+    vocab = len(AutoTokenizer.from_pretrained(tokenizer_from))
+    config = BertConfig(
+        vocab_size=vocab, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256
+    )
+    _save(config, path, torch.bfloat16, None)
+    for f in tokenizer_from.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, path / f.name)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir()
+    pooling = {
+        "word_embedding_dimension": 128,
+        "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": True,
+    }
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    (path / "2_Normalize").mkdir()
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 256}))
     return path

@@ -30,10 +30,6 @@ class TensorInfo(TensorSpec):
     file: Path = Path()
     offset: int = 0  # absolute byte offset of the data in its file
 
-    @property
-    def numel(self) -> int:
-        return self.nbytes // self.torch_dtype.itemsize
-
 
 @dataclass(frozen=True)
 class Checkpoint:

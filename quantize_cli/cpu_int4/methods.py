@@ -1,6 +1,6 @@
 """Quantization methods: each maps a [N, K] weight to the format's (packed, scale, zero).
 
-All methods emit the same three tensors with the same meaning (DESIGN §1.1), so the runtime
+All methods emit the same three tensors with the same meaning (docs/format.md), so the runtime
 never changes; they differ only in how each group's scale and offset are chosen.
 """
 

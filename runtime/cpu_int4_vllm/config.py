@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 class CpuInt4Config(QuantizationConfig):
-    """Settings of a cpu_int4 checkpoint (DESIGN §1.2), with the defaults filled in."""
+    """Settings of a cpu_int4 checkpoint (docs/format.md), with the defaults filled in."""
 
     def __init__(self, settings: dict[str, Any]):
         super().__init__()
@@ -37,9 +37,9 @@ class CpuInt4Config(QuantizationConfig):
         self.quantize_embedding: bool = settings["quantize_embedding"]
         self.direct_dequant: bool = settings["direct_dequant"]
         self.use_custom_op: bool = settings["use_custom_op"]
-        # prefill_dequant off sends every batch to the kernel (unsafe on AMX hosts, DESIGN §2).
+        # prefill_dequant off sends every batch to the kernel (docs/runtime.md).
         # These three (and direct_dequant) steer PyTorch's tinygemm kernel, the fallback; the
-        # native kernel has no AMX state and its own measured row limit (kernels.NATIVE_MAX_ROWS).
+        # native kernel has no AMX state and its own measured row limit (native_backend.MAX_KERNEL_ROWS).
         self.dequant_threshold: int = (
             settings["dequant_threshold"] if settings["prefill_dequant"] else 2**31 - 1
         )

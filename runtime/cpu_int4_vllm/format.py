@@ -52,8 +52,12 @@ class TensorSpec:
         return SAFETENSORS_DTYPES[self.dtype]
 
     @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.torch_dtype.itemsize
+        return self.numel * self.torch_dtype.itemsize
 
     @property
     def row_bytes(self) -> int:

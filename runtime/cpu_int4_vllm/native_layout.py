@@ -21,7 +21,7 @@ def pack_native(
     packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(lanes int32 [N/16, K/8, 16], scale and zero bf16 [N/16, K/g, 2, 16]) from the row-major
-    checkpoint tensors (DESIGN §1). N must be a multiple of 16, K of 8."""
+    checkpoint tensors (docs/format.md). N must be a multiple of 16, K of 8."""
     n, groups = scale.shape
     lanes = torch.cat([_lanes(part) for part in packed.split(REPACK_CHUNK_ROWS)])
     sz = torch.stack((scale, zero), dim=1).to(torch.bfloat16)  # [N, 2, K/g]

@@ -1,4 +1,4 @@
-"""The tinygemm CPU kernel's packed int4 layout, learned on the host (DESIGN §2.1, §2.2).
+"""The tinygemm CPU kernel's packed int4 layout, learned on the host (docs/runtime.md).
 
 `_convert_weight_to_int4pack_for_cpu` lays nibbles out differently per ISA (AVX-512: 64-row
 blocks; AVX2: 32-row blocks plus a 16-row tail). Hard-coding either returns wrong weights on
@@ -18,7 +18,7 @@ from .format import unpack_nibbles
 
 logger = logging.getLogger(__name__)
 
-# Repacking 2048 output rows at a time was the fastest and nearly the leanest (DESIGN §2.2).
+# Repacking 2048 output rows at a time was the fastest and nearly the leanest (docs/runtime.md).
 REPACK_CHUNK_ROWS = 2048
 _PROBE_K = 64  # enough columns to see the K stride; the layout does not depend on K otherwise
 

@@ -1,6 +1,6 @@
-"""Decode, prefill, memory and engine start: vLLM bf16 vs cpu_int4, side by side.
+"""Decode, prefill, memory and engine start: vLLM bf16 vs cpu_int4, or cpu_int4 at TP=1 vs TP=2.
 
-    .venv/bin/python bench/serve.py [--rounds 3] [--layers 4]
+    .venv/bin/python bench/serve.py [--rounds 3] [--layers 4] [--compare tp]
 
 The model: 4 Llama-2-7B-shaped layers (hidden 4096, MLP 11008, vocab 49152, untied head),
 random bf16 weights (bench/synthetic.py), and its `cpu-int4 quantize` output (g64). Each
@@ -8,7 +8,8 @@ measurement is a fresh process per model, interleaved (bf16, int4, int4, bf16, .
 2 threads. Decode: tokens/s over 128 greedy tokens at batch 1 (the first token's time, i.e. the
 prefill, taken out). Prefill: a 512-token prompt, time to its first token. Memory: RSS of the
 serving processes after load, and the bytes the model's parameters hold. Prints medians with
-their spread (min-max) and the cpu_int4 / bf16 ratios.
+their spread (min-max) and the ratios. `--compare tp` serves the cpu_int4 model on one rank and
+on two (vLLM's `mp` executor), each rank bound to its own core (VLLM_CPU_OMP_THREADS_BIND=0|1).
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ METRICS = [
 ]
 
 
-def measure(model: str) -> dict:
+# name -> (which checkpoint, tensor-parallel size, VLLM_CPU_OMP_THREADS_BIND)
+COMPARISONS = {
+    "int4": {"vLLM bf16": ("bf16", 1, "nobind"), "vLLM cpu_int4": ("int4", 1, "nobind")},
+    "tp": {"cpu_int4 TP=1": ("int4", 1, "nobind"), "cpu_int4 TP=2": ("int4", 2, "0|1")},
+}
+
+
+def measure(model: str, tp: int) -> dict:
     """One model in this process: start the engine, then time decode and prefill."""
     import psutil
     import torch
@@ -55,11 +63,13 @@ def measure(model: str) -> dict:
         max_model_len=2048,
         enable_prefix_caching=False,
         seed=0,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp",
     )
     start_s = time.perf_counter() - start
     me = psutil.Process()
     rss = sum(p.memory_info().rss for p in [me, *me.children(recursive=True)])
-    weights = llm.apply_model(weight_bytes)[0]
+    weights = sum(llm.apply_model(weight_bytes))  # one entry per rank
     gen = torch.Generator().manual_seed(0)
 
     def timed(prompt_len: int, max_tokens: int) -> float:
@@ -83,16 +93,16 @@ def measure(model: str) -> dict:
     }
 
 
-def run_worker(model: Path) -> dict:
+def run_worker(model: Path, tp: int, bind: str) -> dict:
     env = {
         **os.environ,
-        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        "VLLM_CPU_OMP_THREADS_BIND": bind,
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # apply_model ships a function to the worker
     }
     done = subprocess.run(
-        [sys.executable, __file__, "--worker", str(model)],
+        [sys.executable, __file__, "--worker", str(model), "--tp", str(tp)],
         env=env,
         capture_output=True,
         text=True,
@@ -111,7 +121,7 @@ def prepared_models(layers: int) -> dict[str, Path]:
     int4 = CACHE / f"synthetic-7b-shapes-{layers}l-cpu_int4"
     if not (int4 / "config.json").is_file():
         quantize(str(bf16), int4)
-    return {"vLLM bf16": bf16, "vLLM cpu_int4": int4}
+    return {"bf16": bf16, "int4": int4}
 
 
 def spread(values: list[float]) -> str:
@@ -119,15 +129,15 @@ def spread(values: list[float]) -> str:
 
 
 def print_table(results: dict[str, list[dict]]) -> None:
-    (bf16_name, bf16), (int4_name, int4) = results.items()
-    print(f"| metric | {bf16_name} | {int4_name} | cpu_int4 / bf16 |")
+    (a_name, a_runs), (b_name, b_runs) = results.items()
+    print(f"| metric | {a_name} | {b_name} | {b_name} / {a_name} |")
     print("|---|---|---|---|")
     for key, label, _ in METRICS:
-        a = [r[key] for r in bf16]
-        b = [r[key] for r in int4]
+        a = [r[key] for r in a_runs]
+        b = [r[key] for r in b_runs]
         ratio = statistics.median(b) / statistics.median(a)
         print(f"| {label} | {spread(a)} | {spread(b)} | {ratio:.2f}x |")
-    print(f"\nmedian (min-max) of {len(bf16)} rounds, each a fresh process, models interleaved")
+    print(f"\nmedian (min-max) of {len(a_runs)} rounds, each a fresh process, models interleaved")
 
 
 def llama_cpp_note() -> str:
@@ -142,20 +152,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="int4")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(measure(args.worker)), flush=True)
+        print("RESULT " + json.dumps(measure(args.worker, args.tp)), flush=True)
         return
-    models = prepared_models(args.layers)
-    results: dict[str, list[dict]] = {name: [] for name in models}
+    checkpoints = prepared_models(args.layers)
+    runs = COMPARISONS[args.compare]
+    results: dict[str, list[dict]] = {name: [] for name in runs}
     for round_ in range(args.rounds):
-        order = list(models) if round_ % 2 == 0 else list(reversed(models))
+        order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
         for name in order:
-            results[name].append(run_worker(models[name]))
+            which, tp, bind = runs[name]
+            results[name].append(run_worker(checkpoints[which], tp, bind))
             print(f"round {round_ + 1} {name}: {results[name][-1]}", file=sys.stderr, flush=True)
     print_table(results)
-    print(llama_cpp_note())
+    print("bindings (VLLM_CPU_OMP_THREADS_BIND): " + ", ".join(f"{n}: {b}" for n, (_, _, b) in runs.items()))
+    if args.compare == "int4":
+        print(llama_cpp_note())
 
 
 if __name__ == "__main__":

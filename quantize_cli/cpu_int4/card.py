@@ -63,6 +63,7 @@ Activations stay bf16; weights are 4-bit codes with a bf16 scale and offset per 
 | embedding quantized | {_embedding_line(plan)} |
 | size | {_size(summary.input_bytes)} → {_size(summary.output_bytes)} |
 | bits per weight, whole checkpoint | {summary.bits_per_weight_overall:.2f} |
+| tensor-parallel sizes it serves at | {", ".join(map(str, plan.tp_sizes))} |
 | tools | {_versions()} |
 
 Layers kept in full precision:

@@ -82,6 +82,10 @@ def quantize_cmd(
     quantize_embedding: Annotated[
         bool, typer.Option(help="Quantize the token embedding (and a tied head).")
     ] = True,
+    tp: Annotated[
+        int,
+        typer.Option(help="Tensor-parallel size to serve at: layers whose share would break keep bf16."),
+    ] = 1,
     max_shard_size: Annotated[
         str, typer.Option(help="Largest output shard, e.g. 5GB or 500MB.")
     ] = DEFAULT_SHARD_SIZE,
@@ -112,6 +116,7 @@ def quantize_cmd(
                 overwrite=overwrite,
                 dry_run=dry_run,
                 method=Method(method).value,
+                tp=tp,
                 revision=revision,
                 push_to_hub=push_to_hub,
                 private=private,
@@ -234,6 +239,8 @@ def print_summary(summary: Summary) -> None:
         f" at {plan.bits_per_weight:.2f} bits/weight, group size {plan.group_size}, {summary.method};"
         f" whole checkpoint {summary.bits_per_weight_overall:.2f} bits/weight"
     )
+    sizes = ", ".join(map(str, plan.tp_sizes))
+    out.print(f"  serves at tensor-parallel sizes {sizes} (vLLM's --tensor-parallel-size)")
     if plan.kept_layers:
         table = Table("kept in full precision", "why", box=None, padding=(0, 2))
         for c in plan.kept_layers:

@@ -10,7 +10,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from cpu_int4_vllm.format import GROUP_SIZES, TensorSpec, bits_per_weight, quantized_tensors, shape_problem
+from cpu_int4_vllm.format import (
+    GROUP_SIZES,
+    ROW_MULTIPLE,
+    TensorSpec,
+    bits_per_weight,
+    quantized_tensors,
+    shape_problem,
+)
 
 from .checkpoint import FLOAT_DTYPES, Checkpoint, TensorInfo
 from .errors import QuantizeError
@@ -21,6 +28,11 @@ HEAD_MODULES = {"lm_head", "embed_out"}
 NOT_LINEAR = re.compile(r"(norm|^ln_|\.ln_|wpe|position|token_type|rotary|\.gate$|router)")
 # vLLM fuses these siblings into one layer; a fused layer is quantized all or nothing.
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"))
+# Tensor-parallel sizes a checkpoint is checked for (powers of two, as vLLM deployments use).
+TP_SIZES = (1, 2, 4, 8, 16)
+# vLLM splits these along K across tensor-parallel ranks (row-parallel); other linears split N.
+ROW_PARALLEL = re.compile(r"\.(o_proj|down_proj|out_proj|c_proj|fc2|w2|wo|dense_4h_to_h)$|\.output\.dense$")
+VOCAB_PADDING = 64  # vLLM pads a vocab table to a multiple of this before splitting it
 # Architectures that end in a vocabulary head (tied or not). Encoder models (BertModel, ...)
 # have none, and vLLM builds their tables without a quantization config: those stay as they are.
 GENERATIVE = re.compile(r"(ForCausalLM|LMHeadModel|ForConditionalGeneration)$")
@@ -82,6 +94,14 @@ class Plan:
     def bits_per_weight(self) -> float:
         return bits_per_weight(self.group_size)
 
+    @property
+    def tp_sizes(self) -> list[int]:
+        """The tensor-parallel sizes at which every quantized layer's share can be int4."""
+        layers = [(c.module, *c.info.shape) for c in self.quantized]
+        return [
+            tp for tp in TP_SIZES if not any(tp_problem(m, n, k, self.group_size, tp) for m, n, k in layers)
+        ]
+
 
 def compile_patterns(patterns: list[str]) -> list[re.Pattern | str]:
     """Validate --ignore patterns: exact module names, dotted suffixes, or `re:<regex>`."""
@@ -108,19 +128,38 @@ def matches(module: str, patterns: list[re.Pattern | str]) -> bool:
     return False
 
 
+def tp_problem(module: str, n: int, k: int, group_size: int, tp: int) -> str | None:
+    """Why a quantized [N, K] layer's share on each of `tp` ranks cannot be int4, or None."""
+    if tp == 1:
+        return None
+    if _role(module) != "linear":
+        n = -(-n // VOCAB_PADDING) * VOCAB_PADDING  # the table's rows are padded, then split
+    elif ROW_PARALLEL.search(module):
+        if k % (tp * group_size):
+            return f"K={k} over tp={tp} is {k / tp:g} per rank, not a multiple of group size {group_size}"
+        return None
+    if n % (tp * ROW_MULTIPLE):
+        return f"N={n} over tp={tp} is {n / tp:g} per rank, not a multiple of {ROW_MULTIPLE}"
+    return None
+
+
 def make_plan(
     ckpt: Checkpoint,
     group_size: int = 64,
     ignore: list[str] | None = None,
     quantize_embedding: bool = True,
+    tp: int = 1,
 ) -> Plan:
-    """Decide every tensor's fate; layers that break a shape rule are kept and named in `ignore`."""
+    """Decide every tensor's fate; layers that break a shape rule (at tensor-parallel size `tp`)
+    are kept and named in `ignore`."""
     if group_size not in GROUP_SIZES:
         raise QuantizeError(f"group size {group_size} is not supported; use one of {list(GROUP_SIZES)}")
+    if tp not in TP_SIZES:
+        raise QuantizeError(f"--tp {tp} is not supported; use one of {list(TP_SIZES)}")
     patterns = compile_patterns(ignore or [])
     has_head = _has_head(ckpt)
     tied = has_head and _is_tied(ckpt)
-    choices = [_choose(t, group_size, patterns, quantize_embedding, tied, has_head) for t in ckpt.tensors]
+    choices = [_choose(t, group_size, patterns, quantize_embedding, tied, has_head, tp) for t in ckpt.tensors]
     choices = _keep_fused_siblings_together(choices)
     plan = Plan(group_size, quantize_embedding, tied, has_head, choices)
     plan.ignore = sorted({c.module for c in plan.kept_layers})
@@ -161,6 +200,7 @@ def _choose(
     quantize_embedding: bool,
     tied: bool,
     has_head: bool,
+    tp: int,
 ) -> LayerChoice:
     if not info.name.endswith(".weight") or len(info.shape) != 2 or info.dtype not in FLOAT_DTYPES:
         return LayerChoice(info, "keep")
@@ -176,7 +216,9 @@ def _choose(
         return LayerChoice(info, "keep", "no output head: vLLM runs this table unquantized")
     if matches(module, patterns):
         return LayerChoice(info, "keep", "--ignore")
-    problem = shape_problem(info.shape[0], info.shape[1], group_size)
+    problem = shape_problem(info.shape[0], info.shape[1], group_size) or tp_problem(
+        module, info.shape[0], info.shape[1], group_size, tp
+    )
     if problem:
         return LayerChoice(info, "keep", problem)
     return LayerChoice(info, "quantize")

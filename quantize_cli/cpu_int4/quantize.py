@@ -71,6 +71,7 @@ def quantize(
     ignore: list[str] | None = None,
     quantize_embedding: bool = True,
     method: str = DEFAULT_METHOD,
+    tp: int = 1,
     max_shard_size: str = DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
     dry_run: bool = False,
@@ -99,7 +100,7 @@ def quantize(
         source = download(model, revision)
         out_dir.check_outside(source)
     ckpt = open_checkpoint(source)
-    plan = make_plan(ckpt, group_size, ignore, quantize_embedding)
+    plan = make_plan(ckpt, group_size, ignore, quantize_embedding, tp)
     summary = Summary(
         source, out_dir.path, plan, ckpt.nbytes, plan.output_bytes(), ckpt.params, method, dry_run=dry_run
     )

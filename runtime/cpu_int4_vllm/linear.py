@@ -28,11 +28,17 @@ def create_int4_weights(
     input_size_per_partition: int,
     output_size_per_partition: int,
     input_size: int,
+    output_size: int,
     weight_loader,
 ) -> None:
     """Register weight_packed / weight_scale / weight_zero as vLLM parameters (sharded by vLLM)."""
     n, k, g = output_size_per_partition, input_size_per_partition, config.group_size
     problem = shape_problem(n, k, g)
+    if problem and (n, k) != (output_size, input_size):
+        # This rank's share breaks a rule that the whole layer keeps: the tensor-parallel split.
+        tp = max(output_size // n, input_size // k)
+        split = f"K={input_size}" if k != input_size else f"N={output_size}"
+        problem = f"{split} over tp={tp}: {problem}; requantize with `cpu-int4 quantize --tp {tp}`"
     if problem:
         raise ValueError(f"cpu_int4: layer {getattr(layer, 'prefix', '')} cannot be int4 here: {problem}")
     layer.int4_loaded_shards = {}  # tensor name -> shard ids loaded, to catch a missing tensor
@@ -145,6 +151,7 @@ class CpuInt4LinearMethod(LinearMethodBase):
             input_size_per_partition,
             sum(output_partition_sizes),
             input_size,
+            output_size,
             extra_weight_attrs["weight_loader"],
         )
 

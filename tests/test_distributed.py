@@ -1,0 +1,104 @@
+"""Tensor- and pipeline-parallel serving of cpu_int4 checkpoints through vLLM's own distributed
+engine (`mp` executor, shared-memory all-reduce on the CPU), against the same checkpoint at
+TP=1; and a checkpoint whose layer cannot be split, refused at load in one line.
+
+Each engine runs in a process of its own (tests/serve_once.py). The models are the demo model
+cut so two ranks can share its heads (tiny_models.split_smollm2): a tied Llama, and a Qwen2 with
+q/k/v biases and an untied head.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from cpu_int4.quantize import quantize
+from tiny_models import split_smollm2
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+SERVE_ONCE = Path(__file__).with_name("serve_once.py")
+POSITIONS = 1024
+
+
+@pytest.fixture(scope="module")
+def ids_file(demo_model, wiki, tmp_path_factory) -> Path:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(demo_model).encode(wiki.read_text()[:20000])[: POSITIONS + 1]
+    path = tmp_path_factory.mktemp("ids") / "ids.json"
+    path.write_text(json.dumps(ids))
+    return path
+
+
+def serve(model: Path, tp: int, pp: int, ids_file: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, SERVE_ONCE, model, str(tp), str(pp), ids_file],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def result(proc: subprocess.CompletedProcess) -> dict:
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def split_model(request, demo_model, tmp_path_factory) -> tuple[str, Path, Path]:
+    """(arch, bf16 source, cpu_int4 output planned for tp=2)."""
+    folder = tmp_path_factory.mktemp(request.param)
+    source = split_smollm2(folder / "bf16", demo_model, request.param)
+    out = folder / "int4"
+    summary = quantize(str(source), out, tp=2)
+    assert 2 in summary.plan.tp_sizes
+    return request.param, source, out
+
+
+def test_tp2_and_pp2_serve_what_tp1_serves(split_model, ids_file):
+    arch, _, quant = split_model
+    single = result(serve(quant, 1, 1, ids_file))
+    for tp, pp in ((2, 1), (1, 2)):
+        split = result(serve(quant, tp, pp, ids_file))
+        top1 = torch.tensor(split["top1"]) == torch.tensor(single["top1"])
+        same = [a == b for a, b in zip(split["greedy"], single["greedy"], strict=True)]
+        print(
+            f"\n{arch} TP={tp} PP={pp}: top-1 agreement with TP=1 {top1.float().mean():.2%} over {len(top1)}"
+        )
+        print(f"  greedy 16 tokens equal for {sum(same)}/{len(same)} prompts")
+        assert len(top1) == POSITIONS
+        assert top1.float().mean() >= 0.97
+        assert all(same)
+
+
+def test_a_layer_that_cannot_be_split_fails_at_load_in_one_line(demo_model, ids_file, tmp_path):
+    source = split_smollm2(tmp_path / "bf16", demo_model, "llama")
+    quant = tmp_path / "int4"
+    summary = quantize(str(source), quant)  # planned for tp=1: down_proj (K=1472) is int4
+    assert summary.plan.tp_sizes == [1]
+    proc = serve(quant, 2, 1, ids_file)
+    assert proc.returncode != 0
+    expected = (
+        "cpu_int4: layer model.layers.0.mlp.down_proj cannot be int4 here: K=1472 over tp=2: "
+        "K=736 is not a multiple of group size 64; requantize with `cpu-int4 quantize --tp 2`"
+    )
+    assert expected in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+
+
+def test_tp_plan_keeps_what_would_break_and_says_which_sizes_serve(demo_model, tmp_path):
+    source = split_smollm2(tmp_path / "bf16", demo_model, "llama")
+    plan = quantize(str(source), tmp_path / "out", tp=2, dry_run=True).plan
+    kept = {c.module: c.reason for c in plan.kept_layers}
+    assert len(kept) == 30 and all(m.endswith("mlp.down_proj") for m in kept)
+    assert (
+        kept["model.layers.0.mlp.down_proj"]
+        == "K=1472 over tp=2 is 736 per rank, not a multiple of group size 64"
+    )
+    assert plan.tp_sizes == [1, 2, 4]  # gate/up (N=1472) stop at 8: 184 per rank
+    assert "model.layers.0.mlp.down_proj" in plan.ignore

@@ -29,7 +29,7 @@ def int4_memory_report(model: torch.nn.Module) -> dict:
             "kind": "embedding" if isinstance(method, CpuInt4EmbeddingMethod) else "linear",
             "packed_bytes_one_copy": one_copy,
             "packed_bytes_held": held,
-            "backend": getattr(module, "int4_backend", None),
+            "backend": module.int4_backend.NAME if hasattr(module, "int4_backend") else None,
             "tensors": sorted(n for n, _ in module.named_parameters()),
         }
     # named_modules() lists a shared module once: a tied head shows up under the table's name.

@@ -2,9 +2,9 @@
 engine (`mp` executor, shared-memory all-reduce on the CPU), against the same checkpoint at
 TP=1; and a checkpoint whose layer cannot be split, refused at load in one line.
 
-Each engine runs in a process of its own (tests/serve_once.py). The models are the demo model
-cut so two ranks can share its heads (tiny_models.split_smollm2): a tied Llama, and a Qwen2 with
-q/k/v biases and an untied head.
+Each engine runs in a process of its own (tests/serve_once.py). The models
+(tiny_models.splittable) have heads two ranks can share: a Llama, and a Qwen2 with q/k/v biases;
+both with untied heads, so the vocab-parallel table and the head are each split along N.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from cpu_int4.quantize import quantize
-from tiny_models import split_smollm2
+from tiny_models import splittable
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -54,7 +54,7 @@ def result(proc: subprocess.CompletedProcess) -> dict:
 def split_model(request, demo_model, tmp_path_factory) -> tuple[str, Path, Path]:
     """(arch, bf16 source, cpu_int4 output planned for tp=2)."""
     folder = tmp_path_factory.mktemp(request.param)
-    source = split_smollm2(folder / "bf16", demo_model, request.param)
+    source = splittable(folder / "bf16", demo_model, request.param)
     out = folder / "int4"
     summary = quantize(str(source), out, tp=2)
     assert 2 in summary.plan.tp_sizes
@@ -78,27 +78,26 @@ def test_tp2_and_pp2_serve_what_tp1_serves(split_model, ids_file):
 
 
 def test_a_layer_that_cannot_be_split_fails_at_load_in_one_line(demo_model, ids_file, tmp_path):
-    source = split_smollm2(tmp_path / "bf16", demo_model, "llama")
+    source = splittable(tmp_path / "bf16", demo_model, "llama")
     quant = tmp_path / "int4"
-    summary = quantize(str(source), quant)  # planned for tp=1: down_proj (K=1472) is int4
+    summary = quantize(str(source), quant)  # planned for tp=1: down_proj (K=704) is int4
     assert summary.plan.tp_sizes == [1]
     proc = serve(quant, 2, 1, ids_file)
     assert proc.returncode != 0
     expected = (
-        "cpu_int4: layer model.layers.0.mlp.down_proj cannot be int4 here: K=1472 over tp=2: "
-        "K=736 is not a multiple of group size 64; requantize with `cpu-int4 quantize --tp 2`"
+        "cpu_int4: layer model.layers.0.mlp.down_proj cannot be int4 here: K=704 over tp=2: "
+        "K=352 is not a multiple of group size 64; requantize with `cpu-int4 quantize --tp 2`"
     )
     assert expected in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
 
 
 def test_tp_plan_keeps_what_would_break_and_says_which_sizes_serve(demo_model, tmp_path):
-    source = split_smollm2(tmp_path / "bf16", demo_model, "llama")
+    source = splittable(tmp_path / "bf16", demo_model, "llama")
     plan = quantize(str(source), tmp_path / "out", tp=2, dry_run=True).plan
     kept = {c.module: c.reason for c in plan.kept_layers}
-    assert len(kept) == 30 and all(m.endswith("mlp.down_proj") for m in kept)
-    assert (
-        kept["model.layers.0.mlp.down_proj"]
-        == "K=1472 over tp=2 is 736 per rank, not a multiple of group size 64"
-    )
-    assert plan.tp_sizes == [1, 2, 4]  # gate/up (N=1472) stop at 8: 184 per rank
+    assert sorted(kept) == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    reason = "K=704 over tp=2 is 352 per rank, not a multiple of group size 64"
+    assert kept["model.layers.0.mlp.down_proj"] == reason
+    assert plan.tp_sizes == [1, 2, 4]  # gate/up (N=704) stop at 8: 88 per rank
     assert "model.layers.0.mlp.down_proj" in plan.ignore
+    assert quantize(str(source), tmp_path / "out", dry_run=True).plan.tp_sizes == [1]

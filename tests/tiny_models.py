@@ -95,65 +95,33 @@ def sentence_bert(path: Path, tokenizer_from: Path) -> Path:
     return path
 
 
-def split_smollm2(path: Path, demo: Path, arch: str) -> Path:
-    """The demo model cut so vLLM can split it over two ranks; arch "llama" or "qwen2".
+def splittable(path: Path, tokenizer_from: Path, arch: str) -> Path:
+    """A random model vLLM can split over two ranks (4 heads of 64, 2 KV heads, untied head);
+    arch "llama" or "qwen2" (q/k/v biases).
 
-    SmolLM2-135M has 9 attention heads and 3 KV heads, which two ranks cannot share: keep 8 and
-    2 (3 of the 8 then read another KV head than they were trained with; the model stays a
-    trained one, with confident predictions, which a random model does not make). "llama" also
-    keeps 1472 of the 1536 MLP channels: 1472 is a multiple of 64 but 736 is not, so the down
-    projection cannot be int4 on two ranks at group size 64 (`--tp 2` keeps it in bf16).
-    "qwen2" keeps the whole MLP, adds q/k/v biases and unties the head.
+    Its token embeddings are drawn 25x wider than the layers (std 0.5, not 0.02), so each
+    position's logits are set mostly by its own token and partly by the context the layers add:
+    top-1 choices have clear winners that bf16 rounding differences between one rank and two
+    do not flip, while a layer computed wrongly still changes them. The Llama's MLP width 704 is
+    a multiple of 64 but 352 is not: its down projection cannot be int4 on two ranks at group
+    size 64 unless it stays in bf16 (`--tp 2`).
     """
     from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig, Qwen2Config
 
-    source = AutoConfig.from_pretrained(demo)
-    mlp = 1472 if arch == "llama" else source.intermediate_size
-    gen = torch.Generator().manual_seed(0)
-    tensors = {}
-    for name, t in load_file(demo / "model.safetensors").items():
-        if name.endswith("q_proj.weight"):
-            t = t[: 8 * 64]
-        elif name.endswith(("k_proj.weight", "v_proj.weight")):
-            t = t[: 2 * 64]
-        elif name.endswith("o_proj.weight"):
-            t = t[:, : 8 * 64]
-        elif name.endswith(("gate_proj.weight", "up_proj.weight")):
-            t = t[:mlp]
-        elif name.endswith("down_proj.weight"):
-            t = t[:, :mlp]
-        tensors[name] = t.contiguous()
-    shape = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=64, intermediate_size=mlp)
-    if arch == "llama":
-        config = source
-        for key, value in shape.items():
-            setattr(config, key, value)
-    else:
-        config = Qwen2Config(
-            **shape,
-            hidden_size=source.hidden_size,
-            num_hidden_layers=source.num_hidden_layers,
-            vocab_size=source.vocab_size,
-            rms_norm_eps=source.rms_norm_eps,
-            rope_parameters=source.rope_parameters,
-            max_position_embeddings=source.max_position_embeddings,
-            tie_word_embeddings=False,
-            bos_token_id=source.bos_token_id,
-            eos_token_id=source.eos_token_id,
-        )
-        config.architectures = ["Qwen2ForCausalLM"]
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
-        for name in [n for n in tensors if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]:
-            rows = tensors[name].shape[0]
-            bias = torch.randn(rows, generator=gen) * 0.05
-            tensors[name.replace(".weight", ".bias")] = bias.to(torch.bfloat16)
-    path.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(path)
+    config_class = LlamaConfig if arch == "llama" else Qwen2Config
+    config = config_class(
+        hidden_size=256,
+        intermediate_size=704 if arch == "llama" else 512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=_vocab(tokenizer_from),
+        tie_word_embeddings=False,
+    )
+    _with_tokenizer(config, path, tokenizer_from)
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.embed_tokens.weight"] = (tensors["model.embed_tokens.weight"].float() * 25).bfloat16()
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    for f in demo.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
-            shutil.copy(f, path / f.name)
     return path
 
 

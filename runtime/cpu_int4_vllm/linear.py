@@ -114,7 +114,9 @@ def build_kernel_weights(layer, config, keep_rowmajor_for_lookup: bool = False) 
     )
     for name, tensor in tensors.items():
         setattr(layer, name, None if tensor is None else torch.nn.Parameter(tensor, requires_grad=False))
-    layer.int4_backend = backend().NAME
+    # The module itself, read in apply_int4: a plain attribute that torch.compile traces through
+    # (calling backend() there made Dynamo trace into the kernel loading).
+    layer.int4_backend = backend()
     del layer.int4_loaded_shards
     if keep_rowmajor_for_lookup:
         return
@@ -124,7 +126,7 @@ def build_kernel_weights(layer, config, keep_rowmajor_for_lookup: bool = False) 
 
 def apply_int4(layer, config, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T (+ bias) on this process's backend."""
-    out = backend().linear(x.to(torch.bfloat16), layer, config)
+    out = layer.int4_backend.linear(x.to(torch.bfloat16), layer, config)
     return out if bias is None else out + bias
 
 

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import importlib.metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from huggingface_hub import ModelCard, ModelCardData
 
-if TYPE_CHECKING:
-    from .quantize import Summary
+from .summary import Summary
 
 CARD_TAGS = ["cpu-int4", "4-bit", "w4a16", "int4", "cpu", "vllm"]
 

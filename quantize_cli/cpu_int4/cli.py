@@ -28,7 +28,8 @@ from .errors import UserError
 from .evaluate import Engine, verdict
 from .hub import push
 from .methods import Method
-from .quantize import DEFAULT_SHARD_SIZE, Summary, quantize
+from .quantize import DEFAULT_SHARD_SIZE, quantize
+from .summary import Summary
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Quantize HF checkpoints to 4-bit for vLLM on CPUs."

@@ -8,7 +8,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from .methods import METHODS, NonFiniteWeights
 from .outdir import OutputDir
 from .plan import LayerChoice, Plan, compile_patterns, input_norm, make_plan, norm_offset
 from .shards import ShardWriter, parse_size
+from .summary import Summary
 
 # Rows are quantized in slices of about this many fp32 bytes, so memory does not grow with
 # the largest tensor (a 49152 x 4096 vocab table would be 0.8 GB in fp32 at once).
@@ -41,27 +42,6 @@ DEFAULT_SHARD_SIZE = "5GB"
 REWRITTEN_FILES = {"config.json", INDEX_NAME, "README.md"}
 
 Progress = Callable[[int, int], None]  # (source bytes just processed, total source bytes)
-
-
-@dataclass
-class Summary:
-    """What a run did (or, with dry_run, would do)."""
-
-    source: Path
-    out: Path
-    plan: Plan
-    input_bytes: int
-    output_bytes: int
-    total_params: int
-    method: str = DEFAULT_METHOD
-    seconds: float = 0.0
-    dry_run: bool = False
-    url: str | None = None  # the Hub repo, when pushed
-    copied_files: list[str] = field(default_factory=list)
-
-    @property
-    def bits_per_weight_overall(self) -> float:
-        return 8 * self.output_bytes / max(self.total_params, 1)
 
 
 def quantize(

@@ -4,7 +4,7 @@ worker with `LLM.apply_model`."""
 from __future__ import annotations
 
 import torch
-from cpu_int4_vllm.format import PACKED_SUFFIX
+from cpu_int4_vllm.format import PACKED_SUFFIX, quantized_tensors
 
 PACKED_CODE_TENSORS = (PACKED_SUFFIX, "int4_packed", "int4_rowmajor")  # the tensors holding codes
 
@@ -23,7 +23,7 @@ def int4_memory_report(model: torch.nn.Module) -> dict:
         if not isinstance(method, CpuInt4LinearMethod):
             continue
         n, k = module.int4_weight_shape
-        one_copy = n * k // 2
+        one_copy = quantized_tensors(name, n, k, method.config.group_size)[0].nbytes  # the packed codes
         held = sum(t.nbytes for name, t in module.named_parameters() if name in PACKED_CODE_TENSORS)
         modules[name] = {
             "kind": "embedding" if isinstance(method, CpuInt4EmbeddingMethod) else "linear",

@@ -10,7 +10,7 @@ from enum import Enum
 
 import torch
 from cpu_int4_vllm import native
-from cpu_int4_vllm.format import MAX_CODE, ZERO_CODE, encode, quantize_minmax, round_to_codes
+from cpu_int4_vllm.format import MAX_CODE, ZERO_CODE, encode, group_view, quantize_minmax, round_to_codes
 
 # Range stretches tried by `search`: the code grid spans (15 + t) steps over the group's range,
 # the range search behind llama.cpp's K-quants (make_qkx2_quants).
@@ -72,15 +72,14 @@ def quantize_search(
     `channel_importance` [K], when known, weighs each input channel (see plan.input_norm).
     """
     require_finite(weight)
-    n, k = weight.shape
-    groups = weight.float().reshape(n, k // group_size, group_size)
+    groups = group_view(weight.float(), group_size)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     # Fits run on groups scaled to max |w| = 1: sums of w^2 stay inside fp32 at any magnitude.
     norm = _group_norm(groups)
     unit = groups / norm[..., None]
     imp = importance(unit)
     if channel_importance is not None:
-        imp = imp * channel_importance.float().reshape(1, k // group_size, group_size)
+        imp = imp * group_view(channel_importance.float()[None], group_size)
     unit_low = unit.amin(dim=-1)
     unit_span = (unit.amax(dim=-1) - unit_low).clamp_min(torch.finfo(torch.float32).tiny)
     sums = _WeightedSums(unit, imp)

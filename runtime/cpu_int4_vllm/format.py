@@ -122,7 +122,8 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).flatten(-2)
 
 
-def _group_view(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+def group_view(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N, K] as [N, K/g, g]: one row per group (ValueError if g does not divide K)."""
     n, k = weight.shape
     if k % group_size:
         raise ValueError(f"K={k} is not a multiple of group size {group_size}")
@@ -136,7 +137,7 @@ def quantize_minmax(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor
     fp32; codes are rounded against the bf16 scale and zero actually stored, so dequantization
     is as close to the source as the stored numbers allow.
     """
-    groups = _group_view(weight.float(), group_size)
+    groups = group_view(weight.float(), group_size)
     low = groups.amin(dim=-1)
     high = groups.amax(dim=-1)
     # Dividing before subtracting keeps the range finite for magnitudes near the fp32 limit.
@@ -151,7 +152,7 @@ def encode(
     """Round weights to the codes of a given per-group grid; returns (packed, scale, zero) as stored."""
     scale = scale.to(torch.bfloat16)
     zero = zero.to(torch.bfloat16)
-    codes = round_to_codes(_group_view(weight.float(), group_size), scale.float(), zero.float())
+    codes = round_to_codes(group_view(weight.float(), group_size), scale.float(), zero.float())
     return pack_nibbles(codes.reshape(weight.shape).to(torch.uint8)), scale, zero
 
 

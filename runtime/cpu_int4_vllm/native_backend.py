@@ -78,12 +78,8 @@ def _workspace(dtype: torch.dtype, numel: int) -> torch.Tensor:
     return buffer
 
 
-@torch.library.custom_op("cpu_int4::native_linear", mutates_args=())
-def native_linear_op(
-    x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int
-) -> torch.Tensor:
-    """native_linear as an opaque op for torch.compile."""
-    return native_linear(x, packed, sz, group_size)
+# native_linear as an opaque op for torch.compile.
+native_linear_op = torch.library.custom_op("cpu_int4::native_linear", native_linear, mutates_args=())
 
 
 @native_linear_op.register_fake

@@ -144,17 +144,8 @@ def int4_linear(
     return out.reshape(*x.shape[:-1], n)
 
 
-@torch.library.custom_op("cpu_int4::linear", mutates_args=())
-def int4_linear_op(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    scales_and_zeros: torch.Tensor,
-    group_size: int,
-    dequant_threshold: int,
-    rowmajor: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """int4_linear as an opaque op for torch.compile."""
-    return int4_linear(x, packed, scales_and_zeros, group_size, dequant_threshold, rowmajor)
+# int4_linear as an opaque op for torch.compile.
+int4_linear_op = torch.library.custom_op("cpu_int4::linear", int4_linear, mutates_args=())
 
 
 @int4_linear_op.register_fake

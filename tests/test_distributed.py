@@ -61,20 +61,33 @@ def split_model(request, demo_model, tmp_path_factory) -> tuple[str, Path, Path]
     return request.param, source, out
 
 
-def test_tp2_and_pp2_serve_what_tp1_serves(split_model, ids_file):
-    arch, _, quant = split_model
+def assert_serves_as_one_rank(name: str, quant: Path, splits: list[tuple[int, int]], ids_file: Path) -> None:
+    """Each (tp, pp) gives the top-1 tokens of TP=1 at >= 97% of positions, and the same greedy
+    continuations for all prompts but at most one: two ranks round their partial sums to bf16
+    before adding them, so a near-tie can flip once, and a 16-token continuation then goes
+    elsewhere (the Qwen2 at TP=2 did so on 1 of 4 prompts, with 99.8% top-1 agreement)."""
     single = result(serve(quant, 1, 1, ids_file))
-    for tp, pp in ((2, 1), (1, 2)):
+    for tp, pp in splits:
         split = result(serve(quant, tp, pp, ids_file))
         top1 = torch.tensor(split["top1"]) == torch.tensor(single["top1"])
         same = [a == b for a, b in zip(split["greedy"], single["greedy"], strict=True)]
         print(
-            f"\n{arch} TP={tp} PP={pp}: top-1 agreement with TP=1 {top1.float().mean():.2%} over {len(top1)}"
+            f"\n{name} TP={tp} PP={pp}: top-1 agreement with TP=1 {top1.float().mean():.2%} over {len(top1)}"
         )
         print(f"  greedy 16 tokens equal for {sum(same)}/{len(same)} prompts")
         assert len(top1) == POSITIONS
         assert top1.float().mean() >= 0.97
         assert sum(same) >= len(same) - 1
+
+
+def test_tp2_and_pp2_serve_what_tp1_serves(split_model, ids_file):
+    arch, _, quant = split_model
+    assert_serves_as_one_rank(arch, quant, [(2, 1), (1, 2)], ids_file)
+
+
+def test_the_demo_model_serves_at_pp2(demo_quantized, ids_file):
+    # Its 9 attention heads cannot be split over two ranks; its 30 layers can.
+    assert_serves_as_one_rank("demo", demo_quantized, [(1, 2)], ids_file)
 
 
 def test_a_layer_that_cannot_be_split_fails_at_load_in_one_line(demo_model, ids_file, tmp_path):

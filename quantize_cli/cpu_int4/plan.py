@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from cpu_int4_vllm.format import (
+    DEFAULT_GROUP_SIZE,
     GROUP_SIZES,
     ROW_MULTIPLE,
     TensorSpec,
@@ -145,7 +146,7 @@ def tp_problem(module: str, n: int, k: int, group_size: int, tp: int) -> str | N
 
 def make_plan(
     ckpt: Checkpoint,
-    group_size: int = 64,
+    group_size: int = DEFAULT_GROUP_SIZE,
     ignore: list[str] | None = None,
     quantize_embedding: bool = True,
     tp: int = 1,

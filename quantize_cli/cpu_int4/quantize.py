@@ -224,10 +224,10 @@ def _copy_support_files(source: Path, tmp: Path) -> list[str]:
             if n.startswith(".") or n.endswith(WEIGHT_SUFFIXES) or (top and n in REWRITTEN_FILES)
         }
 
+    entries = sorted(source.iterdir())
+    skip = skipped(str(source), [e.name for e in entries])
     copied = []
-    for entry in sorted(source.iterdir()):
-        if entry.name in skipped(str(source), [entry.name]):
-            continue
+    for entry in (e for e in entries if e.name not in skip):
         if entry.is_dir():
             shutil.copytree(entry, tmp / entry.name, ignore=skipped)
             copied.append(entry.name + "/")

@@ -87,6 +87,8 @@ def build(output: Path | None = None) -> Path:
     """Compile the kernels; the library appears only when complete, under a lock so that
     processes starting together (vLLM's workers) build it once."""
     output = output or library_path()
+    if output.exists():
+        return output
     output.parent.mkdir(parents=True, exist_ok=True)
     with open(output.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -127,7 +129,7 @@ def isa() -> Isa | None:
     reason = problem()
     if reason is None:
         try:
-            torch.ops.load_library(str(library_path() if library_path().exists() else build()))
+            torch.ops.load_library(str(build()))
         except subprocess.CalledProcessError as err:
             reason = f"the build failed: {(err.stderr or '').strip().splitlines()[-1:] or err}"
         except OSError as err:  # no compiler, a read-only cache, a library that does not load

@@ -10,7 +10,7 @@ export VLLM_NO_USAGE_STATS = 1
 export DO_NOT_TRACK = 1
 export HF_HUB_DISABLE_TELEMETRY = 1
 
-.PHONY: install demo test test-fast lint kernel
+.PHONY: install demo test test-fast lint kernel bench-deps
 
 install: $(STAMP)
 
@@ -43,3 +43,25 @@ test-fast: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+
+# llama.cpp for bench/serve.py's comparison rows, in a venv of its own (not part of `make test`):
+# llama-cpp-python compiles llama.cpp from its sdist (~15 min on 2 cores) for this host's ISA.
+# The venv sees the project's packages (torch, transformers: the GGUF converter needs them)
+# through a .pth file, so nothing heavy is installed twice.
+BENCH_VENV ?= .bench-venv
+BENCH_STAMP := $(BENCH_VENV)/.installed
+LLAMA_CPP_PYTHON := 0.3.36
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+bench-deps: $(BENCH_STAMP)
+
+$(BENCH_STAMP): install
+	test -x $(BENCH_VENV)/bin/python || python3 -m venv $(BENCH_VENV)
+	$(PY) -c "import site; print(site.getsitepackages()[0])" > "$$($(BENCH_VENV)/bin/python -c 'import site; print(site.getsitepackages()[0])')/project-venv.pth"
+	$(BENCH_VENV)/bin/python -m pip download -q --no-deps --no-binary :all: -d $(BENCH_VENV)/sdist llama-cpp-python==$(LLAMA_CPP_PYTHON)
+	# The GGUF converter and its gguf package, as the bundled llama.cpp has them.
+	tar xzf $(BENCH_VENV)/sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(BENCH_VENV)/sdist
+	# No AMX: ggml's AMX matmul died with SIGSEGV on the first prompt on a Sapphire Rapids host.
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'" \
+	  $(BENCH_VENV)/bin/python -m pip install -q $(BENCH_VENV)/sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz
+	$(BENCH_VENV)/bin/python -m pip install -q $(BENCH_VENV)/sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/gguf-py
+	touch $(BENCH_STAMP)

@@ -1,15 +1,19 @@
-"""Decode, prefill, memory and engine start: vLLM bf16 vs cpu_int4, or cpu_int4 at TP=1 vs TP=2.
+"""Decode, prefill, memory and engine start: vLLM bf16 vs cpu_int4 vs llama.cpp, cpu_int4 at
+TP=1 vs TP=2, or cpu_int4 under different thread settings.
 
-    .venv/bin/python bench/serve.py [--rounds 3] [--layers 4] [--compare tp]
+    .venv/bin/python bench/serve.py [--rounds 3] [--layers 4] [--compare int4|tp|threads]
 
 The model: 4 Llama-2-7B-shaped layers (hidden 4096, MLP 11008, vocab 49152, untied head),
-random bf16 weights (bench/synthetic.py), and its `cpu-int4 quantize` output (g64). Each
-measurement is a fresh process per model, interleaved (bf16, int4, int4, bf16, ...), eager,
-2 threads. Decode: tokens/s over 128 greedy tokens at batch 1 (the first token's time, i.e. the
+random bf16 weights (bench/synthetic.py), its `cpu-int4 quantize` output (g64) and, where
+`make bench-deps` has built llama.cpp, its Q4_K_M and Q4_0 GGUFs (bench/llamacpp.py). Each
+measurement is a fresh process, runs interleaved (forward, then backward, round by round),
+eager. Decode: tokens/s over 128 greedy tokens at batch 1 (the first token's time, i.e. the
 prefill, taken out). Prefill: a 512-token prompt, time to its first token. Memory: RSS of the
 serving processes after load, and the bytes the model's parameters hold. Prints medians with
-their spread (min-max) and the ratios. `--compare tp` serves the cpu_int4 model on one rank and
-on two (vLLM's `mp` executor), each rank bound to its own core (VLLM_CPU_OMP_THREADS_BIND=0|1).
+their spread (min-max), the ratios to the first run, the thread settings and the CPU.
+`--compare int4` also runs the cpu_int4 model on the AVX2 kernel path (CPU_INT4_ISA=avx2).
+`--compare tp` serves it on one rank and on two (vLLM's `mp` executor), each rank bound to its
+own core (VLLM_CPU_OMP_THREADS_BIND=0|1). `--compare threads` is the study in docs/runtime.md.
 """
 
 from __future__ import annotations
@@ -21,29 +25,58 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel import cpu_description  # noqa: E402
 from synthetic import build_synthetic  # noqa: E402
 
-CACHE = Path(__file__).resolve().parent.parent / ".cache"
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache"
+BENCH_PYTHON = ROOT / ".bench-venv" / "bin" / "python"  # `make bench-deps`
+# The synthetic model has SmolLM2's vocabulary size; llama.cpp's converter needs a tokenizer.
+TOKENIZER = CACHE / "smollm2-135m-instruct-bf16"
 DECODE_TOKENS = 128
 PREFILL_TOKENS = 512
 WORKER_TIMEOUT_S = 900
-# (key, label, higher is better)
+# (key, label)
 METRICS = [
-    ("decode_tok_s", "decode tok/s (batch 1, 128 tokens)", True),
-    ("prefill_tok_s", f"prefill tok/s ({PREFILL_TOKENS}-token prompt)", True),
-    ("weights_gb", "weights held by the model (GB)", False),
-    ("rss_gb", "RSS of serving processes after load (GB)", False),
-    ("start_s", "engine start (s)", False),
+    ("decode_tok_s", "decode tok/s (batch 1, 128 tokens)"),
+    ("prefill_tok_s", f"prefill tok/s ({PREFILL_TOKENS}-token prompt)"),
+    ("weights_gb", "weights held by the model (GB)"),
+    ("rss_gb", "RSS of serving processes after load (GB)"),
+    ("start_s", "engine start (s)"),
 ]
 
 
-# name -> (which checkpoint, tensor-parallel size, VLLM_CPU_OMP_THREADS_BIND)
+@dataclass(frozen=True)
+class Run:
+    """One column of a table: which checkpoint, served how."""
+
+    checkpoint: str  # "bf16" or "int4" (vLLM), or a llama.cpp type ("Q4_K_M", "Q4_0")
+    tp: int = 1
+    bind: str = "nobind"  # VLLM_CPU_OMP_THREADS_BIND
+    env: tuple[tuple[str, str], ...] = ()
+
+
+LLAMA_CPP = {"llama.cpp Q4_K_M": Run("Q4_K_M"), "llama.cpp Q4_0": Run("Q4_0")}
 COMPARISONS = {
-    "int4": {"vLLM bf16": ("bf16", 1, "nobind"), "vLLM cpu_int4": ("int4", 1, "nobind")},
-    "tp": {"cpu_int4 TP=1": ("int4", 1, "nobind"), "cpu_int4 TP=2": ("int4", 2, "0|1")},
+    "int4": {
+        "vLLM bf16": Run("bf16"),
+        "vLLM cpu_int4": Run("int4"),
+        "cpu_int4, AVX2 path": Run("int4", env=(("CPU_INT4_ISA", "avx2"),)),
+        **LLAMA_CPP,
+    },
+    "tp": {"cpu_int4 TP=1": Run("int4"), "cpu_int4 TP=2": Run("int4", tp=2, bind="0|1")},
+    "threads": {
+        "torch 1 thread": Run("int4", env=(("OMP_NUM_THREADS", "1"), ("CPU_INT4_THREADS", "0"))),
+        "torch 2 threads": Run("int4", env=(("OMP_NUM_THREADS", "2"), ("CPU_INT4_THREADS", "0"))),
+        "torch 1, GEMV 2": Run("int4", env=(("OMP_NUM_THREADS", "1"), ("CPU_INT4_THREADS", "2"))),
+        "torch 1, GEMV 2, passive": Run(
+            "int4", env=(("OMP_NUM_THREADS", "1"), ("CPU_INT4_THREADS", "2"), ("OMP_WAIT_POLICY", "passive"))
+        ),
+    },
 }
 
 
@@ -70,6 +103,7 @@ def measure(model: str, tp: int) -> dict:
     me = psutil.Process()
     rss = sum(p.memory_info().rss for p in [me, *me.children(recursive=True)])
     weights = sum(llm.apply_model(weight_bytes))  # one entry per rank
+    threads = llm.apply_model(lambda _: torch.get_num_threads())[0]
     gen = torch.Generator().manual_seed(0)
 
     def timed(prompt_len: int, max_tokens: int) -> float:
@@ -90,24 +124,31 @@ def measure(model: str, tp: int) -> dict:
         "weights_gb": weights / 1e9,
         "rss_gb": rss / 1e9,
         "start_s": start_s,
+        "torch_threads": threads,
     }
 
 
-def run_worker(model: Path, tp: int, bind: str) -> dict:
+def run_worker(model: Path, run: Run) -> dict:
+    """`run` measured in a fresh process: vLLM here, llama.cpp in its own venv."""
+    if run.checkpoint not in ("bf16", "int4"):
+        script = Path(__file__).with_name("llamacpp.py")
+        threads = str(os.cpu_count())
+        return result_of([str(BENCH_PYTHON), str(script), str(model), str(TOKENIZER), run.checkpoint,
+                          "--threads", threads], dict(os.environ), model)  # fmt: skip
     env = {
         **os.environ,
-        "VLLM_CPU_OMP_THREADS_BIND": bind,
+        **dict(run.env),
+        "VLLM_CPU_OMP_THREADS_BIND": run.bind,
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # apply_model ships a function to the worker
     }
-    done = subprocess.run(
-        [sys.executable, __file__, "--worker", str(model), "--tp", str(tp)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=WORKER_TIMEOUT_S,
-    )
+    return result_of([sys.executable, __file__, "--worker", str(model), "--tp", str(run.tp)], env, model)
+
+
+def result_of(command: list[str], env: dict, model: Path) -> dict:
+    """The RESULT line of a worker process."""
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         raise SystemExit(f"worker for {model} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
@@ -121,31 +162,42 @@ def prepared_models(layers: int) -> dict[str, Path]:
     int4 = CACHE / f"synthetic-7b-shapes-{layers}l-cpu_int4"
     if not (int4 / "config.json").is_file():
         quantize(str(bf16), int4)
-    return {"bf16": bf16, "int4": int4}
+    return {"bf16": bf16, "int4": int4, **{run.checkpoint: bf16 for run in LLAMA_CPP.values()}}
 
 
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
+def median(results: dict[str, list[dict]], name: str, key: str) -> float:
+    return statistics.median(r[key] for r in results[name])
+
+
 def print_table(results: dict[str, list[dict]]) -> None:
-    (a_name, a_runs), (b_name, b_runs) = results.items()
-    print(f"| metric | {a_name} | {b_name} | {b_name} / {a_name} |")
-    print("|---|---|---|---|")
-    for key, label, _ in METRICS:
-        a = [r[key] for r in a_runs]
-        b = [r[key] for r in b_runs]
-        ratio = statistics.median(b) / statistics.median(a)
-        print(f"| {label} | {spread(a)} | {spread(b)} | {ratio:.2f}x |")
-    print(f"\nmedian (min-max) of {len(a_runs)} rounds, each a fresh process, models interleaved")
+    """Medians (min-max) per run, then each run against the first."""
+    names = list(results)
+    print("| metric | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for key, label in METRICS:
+        print(f"| {label} | " + " | ".join(spread([r[key] for r in results[n]]) for n in names) + " |")
+    base = names[0]
+    print(f"\n| ratio to {base} | " + " | ".join(names[1:]) + " |")
+    print("|---|" + "---|" * (len(names) - 1))
+    for key, label in METRICS:
+        ratios = [median(results, n, key) / median(results, base, key) for n in names[1:]]
+        print(f"| {label} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+    print(f"\nmedian (min-max) of {len(results[base])} rounds, each a fresh process, runs interleaved")
 
 
-def llama_cpp_note() -> str:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return "llama_cpp is not importable here: no llama.cpp rows (its wheel compiles for 15+ min)"
-    return "llama_cpp is importable, but llama.cpp rows are not implemented in this script yet"
+def describe(runs: dict[str, Run], results: dict[str, list[dict]]) -> None:
+    """Each run's thread settings, as measured in its worker."""
+    for name, run in runs.items():
+        threads = results[name][0].get("torch_threads")
+        if threads is None:
+            print(f"{name}: {os.cpu_count()} threads")
+            continue
+        settings = [f"VLLM_CPU_OMP_THREADS_BIND={run.bind}", *(f"{k}={v}" for k, v in run.env)]
+        print(f"{name}: {', '.join(settings)}; worker torch threads: {threads}")
 
 
 def main() -> None:
@@ -160,18 +212,19 @@ def main() -> None:
         print("RESULT " + json.dumps(measure(args.worker, args.tp)), flush=True)
         return
     checkpoints = prepared_models(args.layers)
-    runs = COMPARISONS[args.compare]
+    runs = dict(COMPARISONS[args.compare])
+    if not BENCH_PYTHON.exists() and set(runs) & set(LLAMA_CPP):
+        runs = {name: run for name, run in runs.items() if name not in LLAMA_CPP}
+        print("no .bench-venv (`make bench-deps` builds it): no llama.cpp runs", file=sys.stderr)
     results: dict[str, list[dict]] = {name: [] for name in runs}
     for round_ in range(args.rounds):
         order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
         for name in order:
-            which, tp, bind = runs[name]
-            results[name].append(run_worker(checkpoints[which], tp, bind))
+            results[name].append(run_worker(checkpoints[runs[name].checkpoint], runs[name]))
             print(f"round {round_ + 1} {name}: {results[name][-1]}", file=sys.stderr, flush=True)
     print_table(results)
-    print("bindings (VLLM_CPU_OMP_THREADS_BIND): " + ", ".join(f"{n}: {b}" for n, (_, _, b) in runs.items()))
-    if args.compare == "int4":
-        print(llama_cpp_note())
+    describe(runs, results)
+    print(cpu_description())
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """cpu_int4's own kernels (int4_kernels.cpp) against the PyTorch definitions they stand in for.
 
-Both kernel paths run here: AVX2 on every x86 host, AVX-512 BF16 where the CPU has it.
+Every kernel path the CPU can run is tested here: AVX2 on every x86 host, AVX-512F and AVX-512
+BF16 where the CPU has them.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ from cpu_int4_vllm.format import dequantize, quantize_minmax
 from cpu_int4_vllm.native_backend import MAX_KERNEL_ROWS, native_linear
 from cpu_int4_vllm.native_layout import pack_native
 
-HOST_ISAS = [native.Isa.AVX2] + (
-    [native.Isa.AVX512_BF16] if native.host_isa() == native.Isa.AVX512_BF16 else []
-)
+HOST_ISAS = native.supported_isas()
 
 
 def gemv(x, packed, sz, g, isa):
@@ -114,19 +113,17 @@ def test_first_use_builds_once_into_the_cache_even_when_processes_race(tmp_path)
     ]
     assert len(building) == 1, building  # the second process waited on the lock and loaded it
     assert [p.name for p in tmp_path.glob("*.so")] == [native.library_path().name]
-    again = subprocess.run([sys.executable, "-c", LOAD], env=env, capture_output=True, text=True, check=True)
-    assert "building" not in again.stderr
+    assert "building" not in run_load(CPU_INT4_CACHE=str(tmp_path)).stderr
 
 
 def test_no_compiler_falls_back_with_a_warning(tmp_path):
-    env = {**os.environ, "CPU_INT4_CACHE": str(tmp_path), "CXX": str(tmp_path / "no-such-compiler")}
-    proc = subprocess.run([sys.executable, "-c", LOAD], env=env, capture_output=True, text=True, check=True)
+    proc = run_load(CPU_INT4_CACHE=str(tmp_path), CXX=str(tmp_path / "no-such-compiler"))
     assert "ISA None" in proc.stdout
     assert "native kernels unavailable (cannot build or load them" in proc.stderr
     assert not list(tmp_path.glob("*.so"))
 
 
-@pytest.mark.parametrize("isa", [0, 3])
+@pytest.mark.parametrize("isa", [0, 4])
 def test_an_unknown_isa_is_refused(isa):
     packed, scale, zero = quantized(16, 64, 32)
     lanes, sz = pack_native(packed, scale, zero)
@@ -135,7 +132,34 @@ def test_an_unknown_isa_is_refused(isa):
 
 
 def test_isa_values_are_the_kernels():
-    assert [int(i) for i in native.Isa] == [1, 2]  # enum class Isa in int4_kernels.cpp
+    assert [int(i) for i in native.Isa] == [1, 2, 3]  # enum class Isa in int4_kernels.cpp
+
+
+@pytest.mark.parametrize("isa", HOST_ISAS)
+def test_the_gemv_threads_give_the_same_bits(isa):
+    packed, scale, zero = quantized(2080, 512, 64)
+    lanes, sz = pack_native(packed, scale, zero)
+    x = torch.randn(5, 512).bfloat16()
+    on_torch_threads = gemv(x, lanes, sz, 64, isa)
+    try:
+        torch.ops.cpu_int4_native.set_gemv_threads(2)
+        own_threads = gemv(x, lanes, sz, 64, isa)
+    finally:
+        torch.ops.cpu_int4_native.set_gemv_threads(native.gemv_threads())
+    assert torch.equal(own_threads, on_torch_threads)
+
+
+def run_load(**env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", LOAD], env={**os.environ, **env}, capture_output=True, text=True, check=True
+    )
+
+
+def test_the_path_can_be_forced_and_a_bad_name_falls_back_with_a_warning():
+    assert f"ISA {native.Isa.AVX2}" in run_load(CPU_INT4_ISA="avx2").stdout
+    bad = run_load(CPU_INT4_ISA="sse2")
+    assert "ISA None" in bad.stdout
+    assert "CPU_INT4_ISA=sse2 is not one of avx2, avx512_bf16, avx512" in bad.stderr
 
 
 def test_bad_tensors_fail_with_a_message():

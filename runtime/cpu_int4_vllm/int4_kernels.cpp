@@ -15,6 +15,11 @@
 // (3 instructions per 32 weights; converting bytes to floats took 7 and ran out of compute
 // at ~10 GB/s on 2 cores, half of what the memory gives).
 //
+// Without BF16 dot products (AVX2, AVX-512F) the codes become fp32 by masking each slot in
+// place and converting: (lane & 0xF << 4s) is q * 16^s, exactly, and x comes pre-scaled by 16^-s
+// (exact too, a power of two), so each 8 or 16 weights cost a mask, a convert and an FMA, and
+// the products are those of dequantize-then-GEMM in fp32.
+//
 // Every row is computed with the same operations in the same order whatever M is, so a
 // sequence's logits do not depend on what else is in the batch.
 
@@ -34,31 +39,28 @@
 
 // Only these functions use the wider instructions; the rest of the library runs anywhere.
 #define AVX512_BF16 __attribute__((target("avx512f,avx512bf16")))
+#define AVX512 __attribute__((target("avx512f")))
 #define AVX2 __attribute__((target("avx2,fma")))
 
 namespace {
 
 // The kernel paths; the values are those of native.Isa on the Python side.
-enum class Isa : int64_t { kAvx2 = 1, kAvx512Bf16 = 2 };
+enum class Isa : int64_t { kAvx2 = 1, kAvx512Bf16 = 2, kAvx512 = 3 };
 
 constexpr int kBlock = 16;         // output rows per block, one per lane of a 512-bit vector
 constexpr int kStep = 8;           // codes per lane per int32
-constexpr int kMaxRowsAtOnce = 3;  // input rows sharing one unpack: 3 x 8 sums fill 32 registers
+constexpr int kMaxRowsAtOnce = 3;  // input rows sharing one unpack (see Kernel below)
 // Steps (64 bytes each) to prefetch ahead: 2 KiB ahead took the 4-layer 7B-shaped model from
 // 41.6 to 26.9 ms a token on 2 cores (14 -> 22 GB/s, what bf16's GEMV streams).
 constexpr int kPrefetchSteps = 32;
 constexpr int kSlotK[kStep] = {0, 2, 4, 6, 1, 3, 5, 7};  // k offset held in nibble slot s
-
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+// Independent sums per output vector on the fp32 paths. Fixed, not chosen per row count, so
+// a row's additions happen in the same order alone and in a batch.
+constexpr int kFloatSums = 2;
 
 struct Problem {
   const uint16_t* x;   // [M][K] bf16 bits
-  const float* xf;     // [M][K] the same values as fp32
+  const float* xq;     // [M][K/8][8] x as fp32, slot order, times 16^-s (slot 7: 1, it is shifted)
   const float* xsum;   // [M][G] per-group sums of x
   const int32_t* packed;
   const uint16_t* sz;
@@ -69,7 +71,7 @@ struct Problem {
 // Lane bits 0x4300 | q are the bf16 number 128 + q, so sum(x * (128 + q)) - 128 * sum(x) is
 // sum(x * q); the constant goes into the per-group offset: y += s * acc + (z - 136 s) * sum(x).
 
-AVX512_BF16 inline __m512 load_bf16x16(const uint16_t* p) {
+AVX512 inline __m512 load_bf16x16(const uint16_t* p) {
   __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
 }
@@ -120,53 +122,111 @@ AVX512_BF16 void block_avx512_bf16(const Problem& P, int64_t blk, int64_t m0, fl
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * kBlock, out[m]);
 }
 
-// ------------------------------------------------ AVX2 + FMA: codes as fp32, two ymm per block
+// ------------------------------------------------ AVX2 + FMA, AVX-512F: codes as fp32
+// Slot s of a lane, as the float q * 16^s (slot 7 shifted down, so the int32 stays positive).
+AVX2 inline __m256 slot_avx2(__m256i codes, int s) {
+  return _mm256_cvtepi32_ps(s == kStep - 1 ? _mm256_srli_epi32(codes, 4 * s)
+                                           : _mm256_and_si256(codes, _mm256_set1_epi32(0xF << (4 * s))));
+}
+
 AVX2 inline __m256 load_bf16x8(const uint16_t* p) {
   __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
+// A block is two 8-lane halves, both taken from each 64-byte step in one pass.
 template <int MR>
 AVX2 void block_avx2(const Problem& P, int64_t blk, int64_t m0, float* y) {
-  const __m256i low4 = _mm256_set1_epi32(0x0F);
   const int32_t* wb = P.packed + blk * (P.K / kStep) * kBlock;
   const uint16_t* szb = P.sz + blk * P.G * 2 * kBlock;
   const int64_t steps = P.g / kStep;
-  for (int h = 0; h < 2; ++h) {
-    __m256 out[MR];
-    for (int m = 0; m < MR; ++m) out[m] = _mm256_setzero_ps();
-    for (int64_t gi = 0; gi < P.G; ++gi) {
-      __m256 acc[MR][2];
-      for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-      for (int64_t c = gi * steps; c < (gi + 1) * steps; ++c) {
-        _mm_prefetch(reinterpret_cast<const char*>(wb + (c + kPrefetchSteps) * kBlock + 8 * h), _MM_HINT_T0);
-        const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * kBlock + 8 * h));
-        for (int s = 0; s < kStep; ++s) {
-          const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(codes, 4 * s), low4));
-          for (int m = 0; m < MR; ++m) {
-            const __m256 xk = _mm256_set1_ps(P.xf[(m0 + m) * P.K + c * kStep + kSlotK[s]]);
-            acc[m][s & 1] = _mm256_fmadd_ps(q, xk, acc[m][s & 1]);
-          }
+  __m256 out[MR][2];
+  for (int m = 0; m < MR; ++m) out[m][0] = out[m][1] = _mm256_setzero_ps();
+  for (int64_t gi = 0; gi < P.G; ++gi) {
+    __m256 acc[MR][2][kFloatSums];
+    for (int m = 0; m < MR; ++m)
+      for (int h = 0; h < 2; ++h)
+        for (int a = 0; a < kFloatSums; ++a) acc[m][h][a] = _mm256_setzero_ps();
+    for (int64_t c = gi * steps; c < (gi + 1) * steps; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(wb + (c + kPrefetchSteps) * kBlock), _MM_HINT_T0);
+      const __m256i codes[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * kBlock)),
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * kBlock + 8))};
+      for (int s = 0; s < kStep; ++s) {
+        const __m256 q[2] = {slot_avx2(codes[0], s), slot_avx2(codes[1], s)};
+        for (int m = 0; m < MR; ++m) {
+          const __m256 xk = _mm256_broadcast_ss(P.xq + (m0 + m) * P.K + c * kStep + s);
+          for (int h = 0; h < 2; ++h)
+            acc[m][h][s % kFloatSums] = _mm256_fmadd_ps(q[h], xk, acc[m][h][s % kFloatSums]);
         }
       }
+    }
+    for (int h = 0; h < 2; ++h) {
       const __m256 s = load_bf16x8(szb + gi * 2 * kBlock + 8 * h);
       const __m256 z = load_bf16x8(szb + gi * 2 * kBlock + kBlock + 8 * h);
       const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, z);
       for (int m = 0; m < MR; ++m) {
         const __m256 xs = _mm256_set1_ps(P.xsum[(m0 + m) * P.G + gi]);
-        const __m256 sum = _mm256_add_ps(acc[m][0], acc[m][1]);
-        out[m] = _mm256_add_ps(out[m], _mm256_fmadd_ps(s, sum, _mm256_mul_ps(offset, xs)));
+        const __m256 sum = _mm256_add_ps(acc[m][h][0], acc[m][h][1]);
+        out[m][h] = _mm256_add_ps(out[m][h], _mm256_fmadd_ps(s, sum, _mm256_mul_ps(offset, xs)));
       }
     }
-    for (int m = 0; m < MR; ++m) _mm256_storeu_ps(y + m * kBlock + 8 * h, out[m]);
   }
+  for (int m = 0; m < MR; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + m * kBlock + 8 * h, out[m][h]);
+}
+
+AVX512 inline __m512 slot_avx512(__m512i codes, int s) {
+  return _mm512_cvtepi32_ps(s == kStep - 1 ? _mm512_srli_epi32(codes, 4 * s)
+                                           : _mm512_and_si512(codes, _mm512_set1_epi32(0xF << (4 * s))));
+}
+
+// The AVX2 routine at 16 lanes: for AVX-512 CPUs without BF16 (Skylake-SP to Ice Lake).
+template <int MR>
+AVX512 void block_avx512(const Problem& P, int64_t blk, int64_t m0, float* y) {
+  const int32_t* wb = P.packed + blk * (P.K / kStep) * kBlock;
+  const uint16_t* szb = P.sz + blk * P.G * 2 * kBlock;
+  const int64_t steps = P.g / kStep;
+  __m512 out[MR];
+  for (int m = 0; m < MR; ++m) out[m] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < P.G; ++gi) {
+    __m512 acc[MR][kFloatSums];
+    for (int m = 0; m < MR; ++m)
+      for (int a = 0; a < kFloatSums; ++a) acc[m][a] = _mm512_setzero_ps();
+    for (int64_t c = gi * steps; c < (gi + 1) * steps; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(wb + (c + kPrefetchSteps) * kBlock), _MM_HINT_T0);
+      const __m512i codes = _mm512_loadu_si512(wb + c * kBlock);
+      for (int s = 0; s < kStep; ++s) {
+        const __m512 q = slot_avx512(codes, s);
+        for (int m = 0; m < MR; ++m) {
+          const __m512 xk = _mm512_set1_ps(P.xq[(m0 + m) * P.K + c * kStep + s]);
+          acc[m][s % kFloatSums] = _mm512_fmadd_ps(q, xk, acc[m][s % kFloatSums]);
+        }
+      }
+    }
+    const __m512 s = load_bf16x16(szb + gi * 2 * kBlock);
+    const __m512 z = load_bf16x16(szb + gi * 2 * kBlock + kBlock);
+    const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xs = _mm512_set1_ps(P.xsum[(m0 + m) * P.G + gi]);
+      const __m512 sum = _mm512_add_ps(acc[m][0], acc[m][1]);
+      out[m] = _mm512_add_ps(out[m], _mm512_fmadd_ps(s, sum, _mm512_mul_ps(offset, xs)));
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * kBlock, out[m]);
 }
 
 using BlockFn = void (*)(const Problem&, int64_t, int64_t, float*);
 
-// Index MR-1: the routine that handles MR input rows of one block at once.
-const BlockFn kAvx512Bf16[kMaxRowsAtOnce] = {block_avx512_bf16<1>, block_avx512_bf16<2>, block_avx512_bf16<3>};
-const BlockFn kAvx2[kMaxRowsAtOnce] = {block_avx2<1>, block_avx2<2>, block_avx2<3>};
+// A path's routines for 1, 2, ... `rows` input rows of one block at once (index MR-1): as many
+// rows as its sums fit in registers (32 zmm; 16 ymm, where 3 rows spilled and ran at a third
+// of 2 rows' speed per row).
+struct Kernel {
+  BlockFn fn[kMaxRowsAtOnce];
+  int rows;
+};
+const Kernel kAvx512Bf16{{block_avx512_bf16<1>, block_avx512_bf16<2>, block_avx512_bf16<3>}, 3};
+const Kernel kAvx512{{block_avx512<1>, block_avx512<2>, block_avx512<3>}, 3};
+const Kernel kAvx2{{block_avx2<1>, block_avx2<2>, nullptr}, 2};
 
 void check_weights(const at::Tensor& packed, const at::Tensor& sz, int64_t group_size) {
   TORCH_CHECK(packed.dtype() == at::kInt && packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous(),
@@ -183,16 +243,41 @@ void check_weights(const at::Tensor& packed, const at::Tensor& sz, int64_t group
 
 // The path asked for, refused when unknown or when this CPU cannot run its instructions.
 Isa checked_isa(int64_t isa) {
-  TORCH_CHECK(isa == static_cast<int64_t>(Isa::kAvx2) || isa == static_cast<int64_t>(Isa::kAvx512Bf16),
-              "cpu_int4 native: isa must be 1 (AVX2) or 2 (AVX-512 BF16), got ", isa);
-  if (isa == static_cast<int64_t>(Isa::kAvx512Bf16)) {
-    TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"),
-                "cpu_int4 native: this CPU has no AVX-512 BF16 instructions");
-  } else {
-    TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
-                "cpu_int4 native: this CPU has no AVX2 and FMA instructions");
+  switch (static_cast<Isa>(isa)) {
+    case Isa::kAvx2:
+      TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+                  "cpu_int4 native: this CPU has no AVX2 and FMA instructions");
+      break;
+    case Isa::kAvx512:
+      TORCH_CHECK(__builtin_cpu_supports("avx512f"), "cpu_int4 native: this CPU has no AVX-512F instructions");
+      break;
+    case Isa::kAvx512Bf16:
+      TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"),
+                  "cpu_int4 native: this CPU has no AVX-512 BF16 instructions");
+      break;
+    default:
+      TORCH_CHECK(false, "cpu_int4 native: isa must be 1 (AVX2), 2 (AVX-512 BF16) or 3 (AVX-512F), got ", isa);
   }
   return static_cast<Isa>(isa);
+}
+
+// x as the fp32 paths read it: [M][K/8][8] in slot order, slot s times 16^-s (slot 7 times 1).
+at::Tensor slot_scaled(const at::Tensor& xf) {
+  const int64_t M = xf.size(0), K = xf.size(1);
+  std::vector<int64_t> order(kSlotK, kSlotK + kStep);
+  std::vector<float> factor(kStep);
+  for (int s = 0; s < kStep; ++s) factor[s] = s == kStep - 1 ? 1.0f : std::ldexp(1.0f, -4 * s);
+  const at::Tensor index = at::tensor(order, xf.options().dtype(at::kLong));
+  const at::Tensor scale = at::tensor(factor, xf.options());
+  return (xf.view({M, K / kStep, kStep}).index_select(2, index) * scale).contiguous();
+}
+
+// Threads of the GEMV's own parallel region; 0: torch's intra-op threads (at::parallel_for).
+std::atomic<int64_t> gemv_threads{0};
+
+void set_gemv_threads(int64_t threads) {
+  TORCH_CHECK(threads >= 0, "cpu_int4 native: threads must be >= 0");
+  gemv_threads = threads;
 }
 
 // y [M, N] fp32 = x [M, K] @ W^T on the path `isa` (an Isa value).
@@ -206,26 +291,34 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const at::Tensor xf = xb.to(at::kFloat);
   const int64_t M = xb.size(0), K = xb.size(1), blocks = packed.size(0), G = sz.size(1);
   const at::Tensor xsum = xf.view({M, G, group_size}).sum(-1).contiguous();
+  const at::Tensor xq = path == Isa::kAvx512Bf16 ? xf : slot_scaled(xf);
   at::Tensor y = at::empty({M, blocks * kBlock}, xf.options());
   const Problem P{reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()),
-                  xf.data_ptr<float>(),
+                  xq.data_ptr<float>(),
                   xsum.data_ptr<float>(),
                   packed.data_ptr<int32_t>(),
                   reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>()),
                   M, K, blocks * kBlock, G, group_size};
-  const BlockFn* table = path == Isa::kAvx512Bf16 ? kAvx512Bf16 : kAvx2;
+  const Kernel& kernel = path == Isa::kAvx512Bf16 ? kAvx512Bf16 : path == Isa::kAvx512 ? kAvx512 : kAvx2;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  const auto blocks_from = [&](int64_t begin, int64_t end) {
     float ybuf[kMaxRowsAtOnce * kBlock];
     for (int64_t blk = begin; blk < end; ++blk) {
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsAtOnce) {
-        const int mr = static_cast<int>(std::min<int64_t>(kMaxRowsAtOnce, M - m0));
-        table[mr - 1](P, blk, m0, ybuf);
+      for (int64_t m0 = 0; m0 < M; m0 += kernel.rows) {
+        const int mr = static_cast<int>(std::min<int64_t>(kernel.rows, M - m0));
+        kernel.fn[mr - 1](P, blk, m0, ybuf);
         for (int m = 0; m < mr; ++m)
           std::memcpy(yp + (m0 + m) * P.N + blk * kBlock, ybuf + m * kBlock, kBlock * sizeof(float));
       }
     }
-  });
+  };
+  const int threads = std::min<int64_t>(gemv_threads.load(), blocks);
+  if (threads > 0) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < threads; ++t) blocks_from(blocks * t / threads, blocks * (t + 1) / threads);
+  } else {
+    at::parallel_for(0, blocks, 1, blocks_from);
+  }
   return y;
 }
 
@@ -263,24 +356,31 @@ AVX512_BF16 void dequant_step_avx512(const Dequant& D, int64_t blk, int64_t c) {
   }
 }
 
-// Portable, compiled for AVX2 so the loops over 16 lanes vectorize; bf16 rounding as at::BFloat16.
+// fp32 -> bf16 bits, rounding to nearest even as at::BFloat16 does for finite values.
+AVX2 inline __m128i to_bf16_avx2(__m256 w) {
+  const __m256i bits = _mm256_castps_si256(w);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+}
+
+// Also the AVX-512F path's: the dequantize is bound by its stores, not by the vector width.
 AVX2 void dequant_step_avx2(const Dequant& D, int64_t blk, int64_t c) {
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
   const int32_t* wb = D.packed + blk * (D.K / kStep) * kBlock;
-  float s[kBlock], offset[kBlock], col[kBlock];
-  {
-    const uint16_t* szg = D.sz + (blk * D.G + c * kStep / D.g) * 2 * kBlock;
-    for (int j = 0; j < kBlock; ++j) {
-      s[j] = bf16_to_float(szg[j]);
-      offset[j] = bf16_to_float(szg[kBlock + j]) - 8.0f * s[j];
-    }
-    const int32_t* lanes = wb + c * kBlock;
+  const uint16_t* szg = D.sz + (blk * D.G + c * kStep / D.g) * 2 * kBlock;
+  for (int h = 0; h < 2; ++h) {
+    const __m256 s = load_bf16x8(szg + 8 * h);
+    const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, load_bf16x8(szg + kBlock + 8 * h));
+    const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * kBlock + 8 * h));
     for (int slot = 0; slot < kStep; ++slot) {
-      for (int j = 0; j < kBlock; ++j) col[j] = static_cast<float>((lanes[j] >> (4 * slot)) & 0x0F) * s[j] + offset[j];
-      const int64_t at = (c * kStep + kSlotK[slot]) * D.N + blk * kBlock;
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(codes, 4 * slot), low4));
+      const __m256 w = _mm256_fmadd_ps(q, s, offset);
+      const int64_t at = (c * kStep + kSlotK[slot]) * D.N + blk * kBlock + 8 * h;
       if (D.out32 != nullptr)
-        std::memcpy(D.out32 + at, col, sizeof(col));
+        _mm256_storeu_ps(D.out32 + at, w);
       else
-        for (int j = 0; j < kBlock; ++j) D.out16[at + j] = c10::BFloat16(col[j]).x;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(D.out16 + at), to_bf16_avx2(w));
     }
   }
 }
@@ -393,7 +493,10 @@ TORCH_LIBRARY(cpu_int4_native, m) {
   m.def("gemv(Tensor x, Tensor packed, Tensor sz, int group_size, int isa) -> Tensor");
   m.def("dequantize_t(Tensor packed, Tensor sz, int group_size, int isa, Tensor(a!) out) -> ()");
   m.def("quantize_minmax(Tensor weight, int group_size) -> (Tensor, Tensor, Tensor)");
+  m.def("set_gemv_threads(int threads) -> ()");
 }
+
+TORCH_LIBRARY_FRAGMENT(cpu_int4_native, m) { m.impl("set_gemv_threads", set_gemv_threads); }
 
 TORCH_LIBRARY_IMPL(cpu_int4_native, CPU, m) {
   m.impl("gemv", int4_gemv);

@@ -31,8 +31,9 @@ SOURCE = Path(__file__).with_name("int4_kernels.cpp")
 class Isa(enum.IntEnum):
     """The kernel's code paths; the values are those of `enum class Isa` in int4_kernels.cpp."""
 
-    AVX2 = 1  # AVX2 + FMA: also every AVX-512 CPU without BF16 dot products
+    AVX2 = 1  # AVX2 + FMA (Haswell on, Zen 1-3)
     AVX512_BF16 = 2  # AVX-512F + AVX512_BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later)
+    AVX512 = 3  # AVX-512F without BF16 (Skylake-SP, Cascade Lake, Ice Lake)
 
 
 def _compiler() -> str:
@@ -102,14 +103,29 @@ def build(output: Path | None = None) -> Path:
     return output
 
 
-def host_isa() -> Isa | None:
-    """The kernel path this CPU runs: AVX-512 with BF16 dot products, else AVX2, else None.
+def supported_isas() -> list[Isa]:
+    """Every kernel path this CPU can run."""
+    caps = torch.cpu.get_capabilities()
+    paths = [Isa.AVX2] if caps.get("avx2") and caps.get("fma3") else []
+    if caps.get("avx512_f"):
+        paths.append(Isa.AVX512)
+        if caps.get("avx512_bf16"):
+            paths.append(Isa.AVX512_BF16)
+    return paths
 
-    Follows PyTorch's capability (so ATEN_CPU_CAPABILITY=avx2 forces the AVX2 path here too).
+
+def host_isa() -> Isa | None:
+    """The kernel path to run: $CPU_INT4_ISA when set (avx2, avx512 or avx512_bf16: how tests
+    and benchmarks run the other paths on one host), else the widest this CPU has.
+
+    Follows PyTorch's capability, so ATEN_CPU_CAPABILITY=avx2 forces the AVX2 path too.
     """
+    forced = os.environ.get("CPU_INT4_ISA")
+    if forced:
+        return Isa.__members__.get(forced.upper())
     capability = torch.backends.cpu.get_cpu_capability()
     if capability.startswith("AVX512"):
-        return Isa.AVX512_BF16 if torch.cpu.get_capabilities().get("avx512_bf16", False) else Isa.AVX2
+        return Isa.AVX512_BF16 if Isa.AVX512_BF16 in supported_isas() else Isa.AVX512
     return Isa.AVX2 if capability == "AVX2" else None
 
 
@@ -117,6 +133,11 @@ def problem() -> str | None:
     """Why the kernels cannot run here before any build is tried, or None."""
     if os.environ.get("CPU_INT4_NATIVE", "1") == "0":
         return "turned off by CPU_INT4_NATIVE=0"
+    forced = os.environ.get("CPU_INT4_ISA")
+    if forced and host_isa() is None:
+        return f"CPU_INT4_ISA={forced} is not one of {', '.join(i.name.lower() for i in Isa)}"
+    if forced and host_isa() not in supported_isas():
+        return f"CPU_INT4_ISA={forced}: this CPU cannot run that path"
     if host_isa() is None:
         return f"this CPU offers {torch.backends.cpu.get_cpu_capability()}, the kernel needs AVX2"
     return None
@@ -137,7 +158,13 @@ def isa() -> Isa | None:
     if reason is not None:
         logger.warning("cpu_int4: native kernels unavailable (%s); using PyTorch's int4 kernel", reason)
         return None
+    torch.ops.cpu_int4_native.set_gemv_threads(gemv_threads())
     return host_isa()
+
+
+def gemv_threads() -> int:
+    """Threads of the GEMV's own parallel region: $CPU_INT4_THREADS, else 0 (torch's)."""
+    return int(os.environ.get("CPU_INT4_THREADS", "0"))
 
 
 @functools.lru_cache(maxsize=1)

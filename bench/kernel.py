@@ -1,0 +1,108 @@
+"""The int4 GEMV's speed in GB/s of weights read, per ISA path, row count and thread count,
+next to this host's streaming-read bandwidth measured in the same run.
+
+    .venv/bin/python bench/kernel.py [--rows 1 2 4 8 16] [--threads 1 2] [--gib 1]
+
+Weights: Llama-7B MLP-shaped layers (N=11008, K=4096, g64) with random codes, as many as make
+`--gib` of packed codes, so every call reads from DRAM, not from cache. GB/s counts the bytes
+a call must read (codes, scales and zeros). Read bandwidth: torch's sum over a float32 buffer
+of the same size on the same threads (a plain front-to-back read). Prints one table and the
+CPU's model and ISA flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+from cpu_int4_vllm import native
+
+N, K, G = 11008, 4096, 64
+REPEATS = 3  # passes over all the layers; the best is reported
+
+
+def cpu_description() -> str:
+    """The CPU's model name and the SIMD flags that choose kernel paths."""
+    name, flags = platform.processor(), set()
+    with open("/proc/cpuinfo") as info:
+        for line in info:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    isa = sorted(f for f in flags if f.startswith(("avx", "amx")) or f == "fma")
+    return f"{name}; {torch.get_num_threads()} threads available; flags: {' '.join(isa)}"
+
+
+def random_layers(gib: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Kernel-layout tensors (random codes, unit scales) summing to `gib` of packed codes."""
+    layer_bytes = N * K // 2
+    count = max(1, round(gib * 2**30 / layer_bytes))
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for _ in range(count):
+        lanes = torch.randint(-(2**31), 2**31 - 1, (N // 16, K // 8, 16), dtype=torch.int32, generator=gen)
+        sz = torch.ones(N // 16, K // G, 2, 16, dtype=torch.bfloat16)
+        layers.append((lanes, sz))
+    return layers
+
+
+def gemv_gbps(layers, rows: int, isa: native.Isa) -> float:
+    """GB/s of weights read by the GEMV over all layers, best of REPEATS passes."""
+    x = torch.randn(rows, K).bfloat16()
+    read = sum(lanes.nbytes + sz.nbytes for lanes, sz in layers)
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        for lanes, sz in layers:
+            torch.ops.cpu_int4_native.gemv(x, lanes, sz, G, int(isa))
+        best = min(best, time.perf_counter() - start)
+    return read / best / 1e9
+
+
+def read_gbps(gib: float) -> float:
+    """GB/s of a plain streaming read (sum of a float32 buffer larger than the caches)."""
+    buffer = torch.ones(int(gib * 2**30) // 4)
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.nbytes / best / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--threads", type=int, nargs="+", default=sorted({1, torch.get_num_threads()}))
+    parser.add_argument("--gib", type=float, default=1.0, help="packed codes swept per pass")
+    args = parser.parse_args()
+    if native.isa() is None:
+        raise SystemExit("the native kernels are not available here (see the warning above)")
+    print(cpu_description())
+    layers = random_layers(args.gib)
+    isas = native.supported_isas()
+    print(
+        "\n| threads | read GB/s | ISA path | "
+        + " | ".join(f"{r} row{'s' * (r > 1)}" for r in args.rows)
+        + " |"
+    )
+    print("|---|---|---|" + "---|" * len(args.rows))
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        bandwidth = read_gbps(args.gib)
+        for isa in isas:
+            cells = []
+            for rows in args.rows:
+                gbps = gemv_gbps(layers, rows, isa)
+                cells.append(f"{gbps:.1f} ({gbps / bandwidth:.0%})")
+            print(f"| {threads} | {bandwidth:.1f} | {isa.name} | " + " | ".join(cells) + " |")
+    print("\nGB/s of codes + scales + zeros read per second (share of the read bandwidth).")
+
+
+if __name__ == "__main__":
+    main()

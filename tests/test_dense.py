@@ -16,7 +16,8 @@ from cpu_int4_vllm.native_layout import pack_native
 
 
 def test_fp32_everywhere_without_a_fast_bf16_gemm():
-    assert {dense.dense_dtype(rows, bf16_is_fast=False) for rows in (1, 64, 256, 257, 4096)} == {torch.float32}
+    dtypes = {dense.dense_dtype(rows, bf16_is_fast=False) for rows in (1, 64, 256, 257, 4096)}
+    assert dtypes == {torch.float32}
 
 
 def test_bf16_only_for_large_batches_with_a_fast_bf16_gemm():

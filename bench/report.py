@@ -57,3 +57,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
             rows = getattr(module, "output_size_per_partition", 0)
             held += rows * module.input_size_per_partition * weight.element_size()
     return held
+
+
+def torch_threads(model: torch.nn.Module) -> int:
+    """The intra-op threads of the worker holding `model` (for apply_model)."""
+    return torch.get_num_threads()

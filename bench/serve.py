@@ -70,11 +70,12 @@ COMPARISONS = {
     },
     "tp": {"cpu_int4 TP=1": Run("int4"), "cpu_int4 TP=2": Run("int4", tp=2, bind="0|1")},
     "threads": {
-        "torch 1 thread": Run("int4", env=(("OMP_NUM_THREADS", "1"), ("CPU_INT4_THREADS", "0"))),
-        "torch 2 threads": Run("int4", env=(("OMP_NUM_THREADS", "2"), ("CPU_INT4_THREADS", "0"))),
+        "torch 1": Run("int4", env=(("OMP_NUM_THREADS", "1"), ("CPU_INT4_THREADS", "0"))),
+        "torch 2": Run("int4", env=(("OMP_NUM_THREADS", "2"), ("CPU_INT4_THREADS", "0"))),
         "torch 1, GEMV 2": Run("int4", env=(("OMP_NUM_THREADS", "1"), ("CPU_INT4_THREADS", "2"))),
-        "torch 1, GEMV 2, passive": Run(
-            "int4", env=(("OMP_NUM_THREADS", "1"), ("CPU_INT4_THREADS", "2"), ("OMP_WAIT_POLICY", "passive"))
+        "torch 2, GEMV 2": Run("int4", env=(("OMP_NUM_THREADS", "2"), ("CPU_INT4_THREADS", "2"))),
+        "torch 2, GEMV 2, passive": Run(
+            "int4", env=(("OMP_NUM_THREADS", "2"), ("CPU_INT4_THREADS", "2"), ("OMP_WAIT_POLICY", "passive"))
         ),
     },
 }
@@ -84,7 +85,7 @@ def measure(model: str, tp: int) -> dict:
     """One model in this process: start the engine, then time decode and prefill."""
     import psutil
     import torch
-    from report import weight_bytes
+    from report import torch_threads, weight_bytes
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -103,7 +104,7 @@ def measure(model: str, tp: int) -> dict:
     me = psutil.Process()
     rss = sum(p.memory_info().rss for p in [me, *me.children(recursive=True)])
     weights = sum(llm.apply_model(weight_bytes))  # one entry per rank
-    threads = llm.apply_model(lambda _: torch.get_num_threads())[0]
+    threads = llm.apply_model(torch_threads)[0]
     gen = torch.Generator().manual_seed(0)
 
     def timed(prompt_len: int, max_tokens: int) -> float:

@@ -18,6 +18,7 @@ from cpu_int4_vllm.format import dequantize, quantize_minmax
 from cpu_int4_vllm.native_backend import MAX_KERNEL_ROWS, native_linear
 from cpu_int4_vllm.native_layout import pack_native
 
+assert native.isa() is not None  # builds and loads the kernels (test_the_kernel_is_built_and_used_here says why not)
 HOST_ISAS = native.supported_isas()
 
 
@@ -140,13 +141,14 @@ def test_the_gemv_threads_give_the_same_bits(isa):
     packed, scale, zero = quantized(2080, 512, 64)
     lanes, sz = pack_native(packed, scale, zero)
     x = torch.randn(5, 512).bfloat16()
-    on_torch_threads = gemv(x, lanes, sz, 64, isa)
+    outputs = []
     try:
-        torch.ops.cpu_int4_native.set_gemv_threads(2)
-        own_threads = gemv(x, lanes, sz, 64, isa)
+        for threads in (0, 1, 2, 3):  # 0: torch's threads
+            torch.ops.cpu_int4_native.set_gemv_threads(threads)
+            outputs.append(gemv(x, lanes, sz, 64, isa))
     finally:
         torch.ops.cpu_int4_native.set_gemv_threads(native.gemv_threads())
-    assert torch.equal(own_threads, on_torch_threads)
+    assert all(torch.equal(out, outputs[0]) for out in outputs)
 
 
 def run_load(**env: str) -> subprocess.CompletedProcess:

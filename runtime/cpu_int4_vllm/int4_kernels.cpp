@@ -314,8 +314,11 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   };
   const int threads = std::min<int64_t>(gemv_threads.load(), blocks);
   if (threads > 0) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int t = 0; t < threads; ++t) blocks_from(blocks * t / threads, blocks * (t + 1) / threads);
+    // Dynamic: inside vLLM a core is shared with the engine process's polling, and the thread
+    // on it must not be handed an equal share.
+    const int64_t chunk = std::max<int64_t>(1, blocks / (8 * threads));
+#pragma omp parallel for num_threads(threads) schedule(dynamic)
+    for (int64_t b = 0; b < blocks; b += chunk) blocks_from(b, std::min(blocks, b + chunk));
   } else {
     at::parallel_for(0, blocks, 1, blocks_from);
   }

@@ -163,8 +163,14 @@ def isa() -> Isa | None:
 
 
 def gemv_threads() -> int:
-    """Threads of the GEMV's own parallel region: $CPU_INT4_THREADS, else 0 (torch's)."""
-    return int(os.environ.get("CPU_INT4_THREADS", "0"))
+    """Threads of the GEMV's own parallel region: $CPU_INT4_THREADS (0: torch's intra-op
+    threads), else every core this process may run on.
+
+    vLLM's CPU worker runs torch on one thread unless told otherwise, which leaves decode on
+    one core; its own region lets the GEMV use them all (and, with per-rank core binding under
+    TP, each rank its own). docs/runtime.md, "Threads", has the measurements.
+    """
+    return int(os.environ.get("CPU_INT4_THREADS", len(os.sched_getaffinity(0))))
 
 
 @functools.lru_cache(maxsize=1)

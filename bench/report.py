@@ -62,3 +62,12 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def torch_threads(model: torch.nn.Module) -> int:
     """The intra-op threads of the worker holding `model` (for apply_model)."""
     return torch.get_num_threads()
+
+
+def compute_paths(model: torch.nn.Module) -> dict:
+    """What the int4 layers of `model` run on in its worker: the kernel path and whether large
+    prefills multiply in bf16."""
+    from cpu_int4_vllm import dense, native
+
+    isa = native.isa()
+    return {"isa": isa.name if isa else None, "bf16_gemm": dense.fast_bf16_gemm()}

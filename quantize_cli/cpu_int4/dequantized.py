@@ -42,3 +42,33 @@ def load_reference_model(path: Path, dtype: torch.dtype = torch.bfloat16):
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.eval()
+
+
+class Fp32Product(torch.nn.Module):
+    """A linear layer that multiplies its (bf16) input by exact fp32 weights and rounds the
+    product back: what the runtime's fp32 dense path computes (runtime dense.py)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.linear(x.float(), self.weight).to(x.dtype)
+        return out if self.bias is None else out + self.bias
+
+
+def with_fp32_products(model: torch.nn.Module, path: Path) -> torch.nn.Module:
+    """`model` (from load_reference_model) with each quantized linear, the tied head included,
+    multiplying by its fp32 weights: the reference for hosts whose dense path is fp32."""
+    exact = {n: w for n, w in dequantized_state_dict(path, torch.float32).items() if w.dtype == torch.float32}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        weight = exact.get(f"{name}.weight")
+        if weight is None and module.weight is model.get_input_embeddings().weight:
+            weight = exact.get(next(n for n, p in model.named_parameters() if p is module.weight))
+        if weight is not None:
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, Fp32Product(weight, module.bias))
+    return model

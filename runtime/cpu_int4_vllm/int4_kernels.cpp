@@ -367,7 +367,7 @@ AVX2 inline __m128i to_bf16_avx2(__m256 w) {
   return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
 }
 
-// Also the AVX-512F path's: the dequantize is bound by its stores, not by the vector width.
+// Also the AVX-512F path's: the AVX-512 routine above rounds to bf16 with an AVX512_BF16 instruction.
 AVX2 void dequant_step_avx2(const Dequant& D, int64_t blk, int64_t c) {
   const __m256i low4 = _mm256_set1_epi32(0x0F);
   const int32_t* wb = D.packed + blk * (D.K / kStep) * kBlock;

@@ -166,9 +166,10 @@ def gemv_threads() -> int:
     """Threads of the GEMV's own parallel region: $CPU_INT4_THREADS (0: torch's intra-op
     threads), else every core this process may run on.
 
-    vLLM's CPU worker runs torch on one thread unless told otherwise, which leaves decode on
-    one core; its own region lets the GEMV use them all (and, with per-rank core binding under
-    TP, each rank its own). docs/runtime.md, "Threads", has the measurements.
+    Torch's thread count in vLLM's worker depends on the setup (2 with `nobind` on 2 cores, 1
+    under OMP_NUM_THREADS=1); its own region gives the GEMV every core either way (and, with
+    per-rank core binding under TP, each rank its own). docs/runtime.md, "Threads", has the
+    measurements.
     """
     return int(os.environ.get("CPU_INT4_THREADS", len(os.sched_getaffinity(0))))
 

@@ -1,7 +1,8 @@
 """Serve a checkpoint once at a tensor- and pipeline-parallel size and print what it computed:
-the top-1 token at every prompt position of a token list, and greedy continuations of prompts.
+the top-1 token at every prompt position of a token list, and greedy continuations of prompts
+(in one batch, and with `alone`, each prompt by itself too).
 
-    python tests/serve_once.py MODEL TP PP IDS.json   # prints one line: RESULT {...}
+    python tests/serve_once.py MODEL TP PP IDS.json [alone]   # prints one line: RESULT {...}
 
 A process of its own per engine: vLLM's distributed state (ranks, shared-memory broadcast) is
 set up per process, and tests compare several sizes of the same checkpoint.
@@ -15,13 +16,19 @@ from pathlib import Path
 
 PROMPTS = [
     "The capital of France is",
+    "Write a haiku about the sea.",
+    "1, 2, 3, 4,",
     "In 1905 Albert Einstein published four papers that",
     "def fibonacci(n):",
-    "Once upon a time, in a small village at the edge of a great forest,",
+    "The three primary colors are red,",
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old "
+    "woodcutter and his daughter. Every morning they",
+    "Q: What is the boiling point of water at sea level? A:",
 ]
+GREEDY16 = dict(max_tokens=16, temperature=0.0)
 
 
-def serve(model: str, tp: int, pp: int, ids: list[int]) -> dict:
+def serve(model: str, tp: int, pp: int, ids: list[int], alone: bool = False) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -43,11 +50,21 @@ def serve(model: str, tp: int, pp: int, ids: list[int]) -> dict:
         [TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False
     )[0]
     top1 = [next(t for t, lp in d.items() if lp.rank == 1) for d in scored.prompt_logprobs[1:]]
-    greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
-    return {"top1": top1, "greedy": [list(o.outputs[0].token_ids) for o in greedy]}
+    result = {"top1": top1, "greedy": _greedy(llm, PROMPTS)}
+    if alone:
+        result["alone"] = [_greedy(llm, [prompt])[0] for prompt in PROMPTS]
+    return result
+
+
+def _greedy(llm, prompts: list[str]) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    outputs = llm.generate(prompts, SamplingParams(**GREEDY16), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 if __name__ == "__main__":
     model, tp, pp, ids_file = sys.argv[1:5]
-    result = serve(model, int(tp), int(pp), json.loads(Path(ids_file).read_text()))
+    alone = sys.argv[5:] == ["alone"]
+    result = serve(model, int(tp), int(pp), json.loads(Path(ids_file).read_text()), alone)
     print("RESULT " + json.dumps(result), flush=True)

@@ -9,21 +9,11 @@ import pytest
 import torch
 from cpu_int4.dequantized import load_reference_model, with_fp32_products
 
+from serve_once import GREEDY16, PROMPTS
+
 pytestmark = pytest.mark.vllm  # one engine (or server) shared by the module
 
 KV_BYTES = 1 << 30
-GREEDY16 = dict(max_tokens=16, temperature=0.0)
-PROMPTS = [
-    "The capital of France is",
-    "Write a haiku about the sea.",
-    "1, 2, 3, 4,",
-    "In 1905 Albert Einstein published four papers that",
-    "def fibonacci(n):",
-    "The three primary colors are red,",
-    "Once upon a time, in a small village at the edge of a great forest, there lived an old "
-    "woodcutter and his daughter. Every morning they",
-    "Q: What is the boiling point of water at sea level? A:",
-]
 
 
 def make_llm(model: Path, **kwargs):

@@ -106,8 +106,6 @@ def splittable(path: Path, tokenizer_from: Path, arch: str) -> Path:
     a multiple of 64 but 352 is not: its down projection cannot be int4 on two ranks at group
     size 64 unless it stays in bf16 (`--tp 2`).
     """
-    from safetensors.torch import load_file, save_file
-
     config_class = LlamaConfig if arch == "llama" else Qwen2Config
     config = config_class(
         hidden_size=256,
@@ -118,7 +116,44 @@ def splittable(path: Path, tokenizer_from: Path, arch: str) -> Path:
         vocab_size=_vocab(tokenizer_from),
         tie_word_embeddings=False,
     )
-    _with_tokenizer(config, path, tokenizer_from)
+    return _widen_embeddings(_with_tokenizer(config, path, tokenizer_from))
+
+
+# Tiny mixture-of-experts models of the four families cpu_int4 serves: 8 experts, top-2,
+# expert width 256 (Qwen2-MoE adds a shared expert of width 512).
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+
+
+def tiny_moe(path: Path, tokenizer_from: Path, arch: str, expert_width: int = 256) -> Path:
+    """A random MoE of `arch`, with embeddings drawn wide as in `splittable` (clear top-1s)."""
+    from transformers import AutoConfig
+
+    experts = {"num_local_experts": 8} if arch == "mixtral" else {"num_experts": 8}
+    widths = {"intermediate_size": expert_width} if arch in ("mixtral", "olmoe") else {}
+    if arch in ("qwen3_moe", "qwen2_moe"):
+        widths = {"moe_intermediate_size": expert_width, "intermediate_size": 512}
+    if arch == "qwen2_moe":
+        widths["shared_expert_intermediate_size"] = 512
+    config = AutoConfig.for_model(
+        arch,
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts_per_tok=2,
+        vocab_size=_vocab(tokenizer_from),
+        eos_token_id=0,  # the tokenizer's <|endoftext|> (OLMoE's default is outside the vocab)
+        tie_word_embeddings=False,
+        **experts,
+        **widths,
+    )
+    return _widen_embeddings(_with_tokenizer(config, path, tokenizer_from))
+
+
+def _widen_embeddings(path: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
     tensors = load_file(path / "model.safetensors")
     tensors["model.embed_tokens.weight"] = (tensors["model.embed_tokens.weight"].float() * 25).bfloat16()
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})

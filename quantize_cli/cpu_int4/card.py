@@ -37,7 +37,7 @@ def render_card(
     )
     plan = summary.plan
     name = base_model or summary.source.name
-    kept = "\n".join(f"| `{c.info.name}` | {c.reason} |" for c in plan.kept_layers)
+    kept = "\n".join(f"| `{name}` | {why} |" for name, why in plan.kept_rows())
     kept_table = f"| layer | why |\n|---|---|\n{kept}" if kept else "None: every linear layer is 4-bit."
     body = f"""
 # {name} — cpu-int4 (4-bit, W4A16)
@@ -58,7 +58,7 @@ Activations stay bf16; weights are 4-bit codes with a bf16 scale and offset per 
 | method | {summary.method} |
 | group size | {plan.group_size} |
 | quantized layers | {len(plan.quantized)} ({plan.quantized_params / 1e6:.1f}M weights) |
-| embedding quantized | {_embedding_line(plan)} |
+| embedding quantized | {_embedding_line(plan)} |{_experts_row(plan)}
 | size | {_size(summary.input_bytes)} → {_size(summary.output_bytes)} |
 | bits per weight, whole checkpoint | {summary.bits_per_weight_overall:.2f} |
 | tensor-parallel sizes it serves at | {", ".join(map(str, plan.tp_sizes))} |
@@ -113,6 +113,14 @@ def _embedding_line(plan) -> str:
 
 def _link(base_model: str | None) -> str:
     return f"https://huggingface.co/{base_model}" if base_model else "#"
+
+
+def _experts_row(plan) -> str:
+    """A table row for mixture-of-experts models; nothing for dense ones."""
+    count = plan.experts()
+    if not count.experts:
+        return ""
+    return f"\n| experts quantized | {count.experts} in {count.layers} MoE layers (routers stay bf16) |"
 
 
 def _size(nbytes: int) -> str:

@@ -240,12 +240,19 @@ def print_summary(summary: Summary) -> None:
         f" at {plan.bits_per_weight:.2f} bits/weight, group size {plan.group_size}, {summary.method};"
         f" whole checkpoint {summary.bits_per_weight_overall:.2f} bits/weight"
     )
+    experts = plan.experts()
+    if experts.experts:
+        out.print(
+            f"  of which experts: {experts.experts} in {experts.layers} MoE layer{'s' * (experts.layers > 1)}"
+            f" ({experts.params / 1e6:.1f}M weights, {_gb(experts.source_bytes)} -> {_gb(experts.output_bytes)},"
+            f" {8 * experts.output_bytes / experts.params:.2f} bits/weight); routers stay bf16"
+        )
     sizes = ", ".join(map(str, plan.tp_sizes))
     out.print(f"  serves at tensor-parallel sizes {sizes} (vLLM's --tensor-parallel-size)")
     if plan.kept_layers:
         table = Table("kept in full precision", "why", box=None, padding=(0, 2))
-        for c in plan.kept_layers:
-            table.add_row(c.info.name, c.reason)
+        for name, why in plan.kept_rows():
+            table.add_row(name, why)
         out.print(table)
     dropped = [c for c in plan.choices if c.action == "drop"]
     for c in dropped:

@@ -29,18 +29,30 @@ def dequantized_state_dict(path: Path, dtype: torch.dtype = torch.bfloat16) -> d
 
 
 def load_reference_model(path: Path, dtype: torch.dtype = torch.bfloat16):
-    """A transformers model with the dequantized weights of a cpu_int4 checkpoint."""
+    """A transformers model with the dequantized weights of a cpu_int4 checkpoint.
+
+    Loaded through `from_pretrained`, so transformers maps checkpoint names onto its modules
+    as it does for any checkpoint (its MoE classes hold all experts of a layer in one tensor).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
     del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    missing, unexpected = model.load_state_dict(dequantized_state_dict(path, dtype), strict=False)
-    missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise ValueError(f"reference model mismatch: missing {missing}, unexpected {unexpected}")
-    if config.tie_word_embeddings:
-        model.tie_weights()
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    model, info = model_class.from_pretrained(
+        None,
+        config=config,
+        state_dict=dequantized_state_dict(path, dtype),
+        dtype=dtype,
+        output_loading_info=True,
+    )
+    missing = [m for m in info["missing_keys"] if not (m == "lm_head.weight" and config.tie_word_embeddings)]
+    unexpected = info["unexpected_keys"]
+    if missing or unexpected or info["mismatched_keys"]:
+        raise ValueError(
+            f"reference model mismatch: missing {missing}, unexpected {unexpected},"
+            f" mismatched {info['mismatched_keys']}"
+        )
     return model.eval()
 
 

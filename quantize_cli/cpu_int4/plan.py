@@ -16,6 +16,8 @@ from cpu_int4_vllm.format import (
     ROW_MULTIPLE,
     TensorSpec,
     bits_per_weight,
+    expert_layer,
+    is_router,
     quantized_tensors,
     shape_problem,
 )
@@ -25,8 +27,8 @@ from .errors import QuantizeError
 
 EMBEDDING_MODULES = {"embed_tokens", "wte", "word_embeddings", "embed_in", "tok_embeddings"}
 HEAD_MODULES = {"lm_head", "embed_out"}
-# 2-D weights that are not linear layers, or that vLLM runs unquantized: never quantized.
-NOT_LINEAR = re.compile(r"(norm|^ln_|\.ln_|wpe|position|token_type|rotary|\.gate$|router)")
+# 2-D weights that are not linear layers: never quantized (nor are MoE routers: format.ROUTER).
+NOT_LINEAR = re.compile(r"(norm|^ln_|\.ln_|wpe|position|token_type|rotary)")
 # vLLM fuses these siblings into one layer; a fused layer is quantized all or nothing.
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"))
 # Tensor-parallel sizes a checkpoint is checked for (powers of two, as vLLM deployments use).
@@ -52,6 +54,17 @@ class LayerChoice:
         return self.info.name.removesuffix(".weight")
 
 
+@dataclass(frozen=True)
+class ExpertCount:
+    """What a plan does to mixture-of-experts layers (all zeros for a dense model)."""
+
+    layers: int
+    experts: int
+    params: int
+    source_bytes: int
+    output_bytes: int
+
+
 @dataclass
 class Plan:
     """Every source tensor's fate, plus the config fields the runtime needs."""
@@ -71,6 +84,25 @@ class Plan:
     def kept_layers(self) -> list[LayerChoice]:
         """Candidate layers kept in full precision (the rest of "keep" are norms, biases...)."""
         return [c for c in self.choices if c.action == "keep" and c.reason]
+
+    def kept_rows(self) -> list[tuple[str, str]]:
+        """(tensor, why) for each kept candidate, an expert layer's tensors as one row."""
+        rows: dict[str, str] = {}
+        for c in self.kept_layers:
+            layer = expert_layer(c.module)
+            rows.setdefault(f"{layer}.*" if layer else c.info.name, c.reason)
+        return list(rows.items())
+
+    def experts(self) -> ExpertCount:
+        """The quantized experts: how many, in how many MoE layers, their weights and bytes."""
+        chosen = [c for c in self.quantized if expert_layer(c.module)]
+        return ExpertCount(
+            layers=len({expert_layer(c.module) for c in chosen}),
+            experts=len({c.module.rpartition(".")[0] for c in chosen}),
+            params=sum(c.info.shape[0] * c.info.shape[1] for c in chosen),
+            source_bytes=sum(c.info.nbytes for c in chosen),
+            output_bytes=sum(spec.nbytes for c in chosen for spec in self.outputs(c)),
+        )
 
     @property
     def quantized_params(self) -> int:
@@ -158,15 +190,28 @@ def make_plan(
     if tp not in TP_SIZES:
         raise QuantizeError(f"--tp {tp} is not supported; use one of {list(TP_SIZES)}")
     patterns = compile_patterns(ignore or [])
+    _refuse_fused_experts(ckpt)
     has_head = _has_head(ckpt)
     tied = has_head and _is_tied(ckpt)
     choices = [_choose(t, group_size, patterns, quantize_embedding, tied, has_head, tp) for t in ckpt.tensors]
-    choices = _keep_fused_siblings_together(choices)
+    choices = _keep_fused_siblings_together(_keep_experts_together(choices))
     plan = Plan(group_size, quantize_embedding, tied, has_head, choices)
-    plan.ignore = sorted({c.module for c in plan.kept_layers})
+    # vLLM asks once for all experts of a layer (`<layer>.experts`): that name stands for them.
+    plan.ignore = sorted({expert_layer(c.module) or c.module for c in plan.kept_layers})
     if tied and any(_role(c.module) == "embedding" for c in plan.kept_layers):
         plan.ignore.append("lm_head")  # the tied head is the table: it follows the table's fate
     return plan
+
+
+def _refuse_fused_experts(ckpt: Checkpoint) -> None:
+    """Stop on experts stored as one 3-D tensor per layer: the format is per-expert 2-D."""
+    for t in ckpt.tensors:
+        if len(t.shape) == 3 and "experts" in t.name and t.dtype in FLOAT_DTYPES:
+            raise QuantizeError(
+                f"{t.name} holds all experts in one 3-D tensor {list(t.shape)}; cpu-int4 quantizes"
+                " experts stored one 2-D tensor each (experts.<E>.gate_proj.weight, ...), as"
+                " transformers' save_pretrained writes them"
+            )
 
 
 def _has_head(ckpt: Checkpoint) -> bool:
@@ -207,7 +252,7 @@ def _choose(
         return LayerChoice(info, "keep")
     module = info.name.removesuffix(".weight")
     role = _role(module)
-    if role == "linear" and NOT_LINEAR.search(module):
+    if role == "linear" and (NOT_LINEAR.search(module) or is_router(module)):
         return LayerChoice(info, "keep")
     if role == "head" and tied:
         return LayerChoice(info, "drop", "tied to the embedding table")
@@ -237,6 +282,22 @@ def _keep_fused_siblings_together(choices: list[LayerChoice]) -> list[LayerChoic
                 kept = [s for s in group if (sib := by_module.get(f"{parent}.{s}")) and sib.reason]
                 if kept:
                     c = LayerChoice(c.info, "keep", f"fused in vLLM with {parent}.{kept[0]}, which is kept")
+        result.append(c)
+    return result
+
+
+def _keep_experts_together(choices: list[LayerChoice]) -> list[LayerChoice]:
+    """All experts of a layer are int4 or none: vLLM runs them as one layer with one method."""
+    kept = {}
+    for c in choices:
+        layer = expert_layer(c.module)
+        if layer and c.reason and layer not in kept:
+            kept[layer] = f"{c.module}: {c.reason}"
+    result = []
+    for c in choices:
+        layer = expert_layer(c.module)
+        if layer in kept and c.action == "quantize":
+            c = LayerChoice(c.info, "keep", f"experts of {layer} stay bf16 together ({kept[layer]})")
         result.append(c)
     return result
 

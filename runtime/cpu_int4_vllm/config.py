@@ -6,6 +6,8 @@ import logging
 from typing import Any
 
 import torch
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
@@ -16,7 +18,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 from vllm.platforms import current_platform
 
-from .format import QUANT_METHOD, parse_config
+from .format import QUANT_METHOD, is_router, parse_config
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +78,17 @@ class CpuInt4Config(QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         from .embedding import CpuInt4EmbeddingMethod
         from .linear import CpuInt4LinearMethod
+        from .moe import CpuInt4MoEMethod
 
         if isinstance(layer, LinearBase):
-            return UnquantizedLinearMethod() if self.is_skipped(prefix) else CpuInt4LinearMethod(self)
+            # Routers stay bf16 by the quantizer's own rule, listed in `ignore` or not.
+            unquantized = is_router(prefix) or self.is_skipped(prefix)
+            return UnquantizedLinearMethod() if unquantized else CpuInt4LinearMethod(self)
+        if isinstance(layer, RoutedExperts):
+            # `ignore` names a bf16 expert layer `<layer>.experts` (quantize's plan.ignore).
+            if self.is_skipped(prefix):
+                return UnquantizedFusedMoEMethod(layer.moe_config)
+            return CpuInt4MoEMethod(self, layer.moe_config)
         if isinstance(layer, VocabParallelEmbedding):
             # A head is quantized unless ignored; a tied head becomes the table anyway.
             wanted = isinstance(layer, ParallelLMHead) or self.quantize_embedding

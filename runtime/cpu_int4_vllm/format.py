@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,14 @@ GROUP_SIZES = (32, 64, 128, 256)  # the only group sizes the tinygemm CPU kernel
 ROW_MULTIPLE = 16  # the int4 packer refuses N that is not a multiple of 16
 ZERO_CODE = 8  # w = (q - 8) * scale + zero, the tinygemm convention
 MAX_CODE = 15
+
+# Mixture-of-experts routers and shared-expert gates: tiny linears whose outputs pick and weigh
+# experts. The quantizer keeps them and the runtime runs them unquantized, by this one rule,
+# whatever a checkpoint's `ignore` says (vLLM asks for a method for some of them, not others).
+ROUTER = re.compile(r"(\.gate$|router|shared_expert_gate$)")
+# One expert's linear in the per-expert layout Hub checkpoints use: `<layer>.experts.<E>.<proj>`.
+# vLLM loads all experts of `<layer>.experts` into one FusedMoE layer: one method for all of them.
+EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.(?P<index>\d+)\.(?P<proj>[^.]+)$")
 
 PACKED_SUFFIX = "weight_packed"
 SCALE_SUFFIX = "weight_scale"
@@ -197,6 +206,17 @@ def shape_problem(n: int, k: int, group_size: int) -> str | None:
     if n % ROW_MULTIPLE:
         return f"N={n} is not a multiple of {ROW_MULTIPLE}"
     return None
+
+
+def is_router(module: str) -> bool:
+    """Whether a linear picks experts (and so stays in full precision)."""
+    return bool(ROUTER.search(module))
+
+
+def expert_layer(module: str) -> str | None:
+    """`<layer>.experts` for one expert's linear `<layer>.experts.<E>.<proj>`, else None."""
+    match = EXPERT.match(module)
+    return match["layer"] if match else None
 
 
 def bits_per_weight(group_size: int) -> float:

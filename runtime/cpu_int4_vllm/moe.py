@@ -1,0 +1,199 @@
+"""The mixture-of-experts method: every expert int4, run through the linears' backend.
+
+vLLM loads the per-expert checkpoint tensors (`experts.E.gate_proj.weight_packed`, ...) into
+stacked parameters (`w13_weight_packed` [E, 2I, H/2], `w2_weight_scale` [E, H, I/g], ...). After
+loading, each expert becomes the backend's kernel tensors, like a linear layer's, and the
+stacked checkpoint copies go: experts stay int4 in memory.
+
+A forward groups the batch's (token, expert) pairs by expert and runs only the experts chosen,
+each through the backend's `linear`: the int4 kernel for a few rows (decode reads only the active
+experts' weights), dequantize + dense GEMM for many (prefill).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
+from vllm.model_executor.utils import set_weight_attrs
+
+from . import native
+from .format import PACKED_SUFFIX, QUANTIZED_SUFFIXES, quantized_tensors, shape_problem
+from .linear import backend
+
+
+class CpuInt4MoEMethod(FusedMoEMethodBase):
+    """Experts stored as 4-bit codes with per-group bf16 scale and zero, one set per expert."""
+
+    def __init__(self, config, moe):
+        super().__init__(moe)
+        self.config = config
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        h, i, g = hidden_size, intermediate_size_per_partition, self.config.group_size
+        _check_supported(layer.layer_name, self.moe, h, i, g)
+        layer.int4_loaded = {}  # parameter -> {(expert, shard id)} loaded, to catch a missing tensor
+        loader = _checked(layer, extra_weight_attrs.pop("weight_loader"))
+        for stem, n, k, columns_k in (
+            ("w13", self.moe.w13_num_shards * i, h, h),
+            ("w2", h, i, self.moe.intermediate_size),
+        ):
+            shares = quantized_tensors("", n, k, g)
+            whole = quantized_tensors("", n, columns_k, g)  # the checkpoint's columns (w2 splits K)
+            for share, full in zip(shares, whole, strict=True):
+                suffix = share.name.lstrip(".")
+                param = torch.nn.Parameter(
+                    torch.empty(num_experts, *share.shape, dtype=share.torch_dtype), requires_grad=False
+                )
+                name = f"{stem}_{suffix}"
+                layer.register_parameter(name, param)
+                set_weight_attrs(param, {**extra_weight_attrs, "weight_loader": loader})
+                # What vLLM's expert loader needs to split scales and zeros like the codes.
+                set_weight_attrs(param, {"int4_columns": full.shape[1]})
+                if suffix != PACKED_SUFFIX:
+                    set_weight_attrs(param, {"quant_method": FusedMoeWeightScaleSupported.GROUP.value})
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        _check_all_loaded(layer, self.moe)
+        native.request_amx()
+        for stem in ("w13", "w2"):
+            packed, scale, zero = (getattr(layer, f"{stem}_{s}").data for s in QUANTIZED_SUFFIXES)
+            experts = [
+                SimpleNamespace(**backend().prepare(packed[e], scale[e], zero[e], self.config))
+                for e in range(packed.shape[0])
+            ]
+            setattr(layer, f"int4_{stem}", experts)
+            for suffix in QUANTIZED_SUFFIXES:
+                delattr(layer, f"{stem}_{suffix}")
+        layer.int4_backend = backend()
+        del layer.int4_loaded
+
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module):
+        return None  # no vLLM MoE kernel runs these experts
+
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts,
+        shared_experts_input,
+    ) -> torch.Tensor:
+        # Shared experts, where the model has them, are run by vLLM's MoE runner.
+        return run_experts(
+            x,
+            topk_weights,
+            topk_ids,
+            layer.int4_w13,
+            layer.int4_w2,
+            lambda rows, expert: layer.int4_backend.linear(rows, expert, self.config),
+            layer.activation,
+            self.moe.is_act_and_mul,
+            layer.apply_router_weight_on_input,
+        )
+
+
+def run_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: list,
+    w2: list,
+    linear,
+    activation,
+    gated: bool = True,
+    weight_on_input: bool = False,
+) -> torch.Tensor:
+    """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), for bf16 x [T, H].
+
+    Each expert runs once on all the tokens that chose it: `linear(rows, w13[e])`, the
+    activation, `linear(., w2[e])`. Products are summed in fp32, as vLLM's own CPU MoE does.
+    """
+    tokens, top_k = topk_ids.shape
+    flat = topk_ids.flatten()
+    order = flat.argsort(stable=True)
+    token_of = order // top_k
+    weights = topk_weights.flatten()[order].float()[:, None]
+    counts = torch.bincount(flat, minlength=len(w13)).tolist()
+    out = torch.zeros(tokens, x.shape[-1], dtype=torch.float32)
+    start = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        rows, weight = token_of[start : start + count], weights[start : start + count]
+        start += count
+        inputs = x[rows]
+        if weight_on_input:  # the router's weight scales the input instead of the output
+            inputs = (inputs.float() * weight).to(x.dtype)
+        hidden = linear(inputs, w13[expert])
+        act = hidden.new_empty(count, hidden.shape[-1] // 2 if gated else hidden.shape[-1])
+        apply_moe_activation(activation, act, hidden)
+        product = linear(act, w2[expert]).float()
+        out.index_add_(0, rows, product if weight_on_input else product * weight)
+    return out.to(x.dtype)
+
+
+def _check_supported(where: str, moe, hidden: int, intermediate: int, group_size: int) -> None:
+    """Refuse, in one line, what these experts cannot run; the tensor-parallel split named."""
+    if moe.has_bias:
+        raise ValueError(f"cpu_int4: {where}: experts with biases are not supported")
+    if moe.moe_parallel_config.use_ep:
+        raise ValueError(f"cpu_int4: {where}: int4 experts do not support expert parallelism")
+    problem = shape_problem(intermediate, hidden, group_size) or shape_problem(hidden, intermediate, group_size)
+    if problem and intermediate != moe.intermediate_size:
+        tp = moe.intermediate_size // intermediate
+        problem = (
+            f"expert width {moe.intermediate_size} over tp={tp} is {intermediate} per rank: {problem};"
+            f" requantize with `cpu-int4 quantize --tp {tp}`"
+        )
+    if problem:
+        raise ValueError(f"cpu_int4: {where} cannot be int4 here: {problem}")
+
+
+def _checked(layer, loader):
+    """vLLM's expert loader, refusing a tensor of the wrong dtype or width and recording what
+    arrived, so a damaged checkpoint fails naming the tensor instead of leaving garbage."""
+
+    def load(param, loaded_weight: torch.Tensor, weight_name: str, shard_id: str, expert_id: int, **kwargs):
+        where = f"{weight_name} (expert {expert_id})"
+        if loaded_weight.dtype != param.dtype:
+            raise ValueError(f"cpu_int4: {where} is {loaded_weight.dtype}, expected {param.dtype}")
+        if loaded_weight.dim() != 2 or loaded_weight.shape[1] != param.int4_columns:
+            raise ValueError(
+                f"cpu_int4: {where} has shape {tuple(loaded_weight.shape)}, expected {param.int4_columns}"
+                " columns; does quantization_config.group_size match the tensors?"
+            )
+        loaded = loader(param, loaded_weight, weight_name, shard_id, expert_id, **kwargs)
+        name = weight_name.rpartition(".")[2]
+        layer.int4_loaded.setdefault(name, set()).add((expert_id, shard_id))
+        return loaded
+
+    return load
+
+
+def _check_all_loaded(layer, moe) -> None:
+    """Raise naming the checkpoint tensor of the first expert shard that never arrived."""
+    proj = {"w1": layer.ckpt_gate_proj_name, "w3": layer.ckpt_up_proj_name, "w2": layer.ckpt_down_proj_name}
+    shards = {"w13": ("w1", "w3") if moe.is_act_and_mul else ("w1",), "w2": ("w2",)}
+    for stem, ids in shards.items():
+        for suffix in QUANTIZED_SUFFIXES:
+            loaded = layer.int4_loaded.get(f"{stem}_{suffix}", set())
+            for expert in range(moe.num_local_experts):
+                for shard in ids:
+                    if (expert, shard) not in loaded:
+                        raise ValueError(
+                            f"cpu_int4: {layer.layer_name}.{expert}.{proj[shard]}.{suffix}"
+                            " is missing from the checkpoint"
+                        )

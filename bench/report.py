@@ -16,17 +16,23 @@ def int4_memory_report(model: torch.nn.Module) -> dict:
     """
     from cpu_int4_vllm.embedding import CpuInt4EmbeddingMethod
     from cpu_int4_vllm.linear import CpuInt4LinearMethod
+    from cpu_int4_vllm.moe import CpuInt4MoEMethod
 
     modules = {}
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
-        if not isinstance(method, CpuInt4LinearMethod):
+        if isinstance(method, CpuInt4MoEMethod):
+            kind, one_copy = "experts", _experts_packed_bytes(module, method.config.group_size)
+        elif isinstance(method, CpuInt4LinearMethod):
+            n, k = module.int4_weight_shape
+            one_copy = quantized_tensors(name, n, k, method.config.group_size)[0].nbytes  # the packed codes
+            kind = "embedding" if isinstance(method, CpuInt4EmbeddingMethod) else "linear"
+        else:
             continue
-        n, k = module.int4_weight_shape
-        one_copy = quantized_tensors(name, n, k, method.config.group_size)[0].nbytes  # the packed codes
-        held = sum(t.nbytes for name, t in module.named_parameters() if name in PACKED_CODE_TENSORS)
+        # Experts hold theirs as w13_int4_packed, w2_int4_packed: the same names, prefixed.
+        held = sum(t.nbytes for name, t in module.named_parameters() if name.endswith(PACKED_CODE_TENSORS))
         modules[name] = {
-            "kind": "embedding" if isinstance(method, CpuInt4EmbeddingMethod) else "linear",
+            "kind": kind,
             "packed_bytes_one_copy": one_copy,
             "packed_bytes_held": held,
             "backend": module.int4_backend.NAME if hasattr(module, "int4_backend") else None,
@@ -36,6 +42,17 @@ def int4_memory_report(model: torch.nn.Module) -> dict:
     head = getattr(model, "lm_head", None)
     head_name = next((n for n, m in model.named_modules() if m is head), None)
     return {"modules": modules, "lm_head_module": head_name}
+
+
+def _experts_packed_bytes(module: torch.nn.Module, group_size: int) -> int:
+    """Packed code bytes of one copy of a MoE layer's local experts (w13 and w2)."""
+    hidden, width = module.hidden_size, module.intermediate_size_per_partition
+    shards = module.moe_config.w13_num_shards
+    per_expert = (
+        quantized_tensors("", shards * width, hidden, group_size)[0].nbytes
+        + quantized_tensors("", hidden, width, group_size)[0].nbytes
+    )
+    return module.local_num_experts * per_expert
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

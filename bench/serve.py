@@ -1,7 +1,7 @@
 """Decode, prefill, memory and engine start: vLLM bf16 vs cpu_int4 vs llama.cpp, cpu_int4 at
-TP=1 vs TP=2, or cpu_int4 under different thread settings.
+TP=1 vs TP=2, cpu_int4 under different thread settings, or a mixture-of-experts model.
 
-    .venv/bin/python bench/serve.py [--rounds 3] [--layers 4] [--compare int4|tp|threads]
+    .venv/bin/python bench/serve.py [--rounds 3] [--layers 4] [--compare int4|tp|threads|moe]
 
 The model: 4 Llama-2-7B-shaped layers (hidden 4096, MLP 11008, vocab 49152, untied head),
 random bf16 weights (bench/synthetic.py), its `cpu-int4 quantize` output (g64) and, where
@@ -14,6 +14,9 @@ their spread (min-max), the ratios to the first run, the thread settings and the
 `--compare int4` also runs the cpu_int4 model on the AVX2 kernel path (CPU_INT4_ISA=avx2).
 `--compare tp` serves it on one rank and on two (vLLM's `mp` executor), each rank bound to its
 own core (VLLM_CPU_OMP_THREADS_BIND=0|1). `--compare threads` is the study in docs/runtime.md.
+`--compare moe` serves 4 Qwen3-30B-A3B-shaped layers instead (hidden 2048, 128 experts of width
+768, 8 active per token; vocab 49152): bf16 against cpu_int4 on the host's kernel and on the
+AVX2 path.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel import cpu_description  # noqa: E402
-from synthetic import build_synthetic  # noqa: E402
+from synthetic import build_synthetic, build_synthetic_moe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache"
@@ -78,7 +81,15 @@ COMPARISONS = {
             "int4", env=(("OMP_NUM_THREADS", "2"), ("CPU_INT4_THREADS", "2"), ("OMP_WAIT_POLICY", "passive"))
         ),
     },
+    "moe": {
+        "vLLM bf16": Run("bf16"),
+        "vLLM cpu_int4": Run("int4"),
+        "cpu_int4, AVX2 path": Run("int4", env=(("CPU_INT4_ISA", "avx2"),)),
+    },
 }
+# The checkpoint each comparison serves: (cache folder stem, builder).
+MODELS = {"moe": ("synthetic-qwen3-30b-a3b-shapes", build_synthetic_moe)}
+DENSE_MODEL = ("synthetic-7b-shapes", build_synthetic)
 
 
 def measure(model: str, tp: int) -> dict:
@@ -156,11 +167,12 @@ def result_of(command: list[str], env: dict, model: Path) -> dict:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-def prepared_models(layers: int) -> dict[str, Path]:
+def prepared_models(comparison: str, layers: int) -> dict[str, Path]:
     from cpu_int4.quantize import quantize
 
-    bf16 = build_synthetic(CACHE / f"synthetic-7b-shapes-{layers}l", layers)
-    int4 = CACHE / f"synthetic-7b-shapes-{layers}l-cpu_int4"
+    stem, build = MODELS.get(comparison, DENSE_MODEL)
+    bf16 = build(CACHE / f"{stem}-{layers}l", layers)
+    int4 = CACHE / f"{stem}-{layers}l-cpu_int4"
     if not (int4 / "config.json").is_file():
         quantize(str(bf16), int4)
     return {"bf16": bf16, "int4": int4, **{run.checkpoint: bf16 for run in LLAMA_CPP.values()}}
@@ -212,7 +224,7 @@ def main() -> None:
     if args.worker:
         print("RESULT " + json.dumps(measure(args.worker, args.tp)), flush=True)
         return
-    checkpoints = prepared_models(args.layers)
+    checkpoints = prepared_models(args.compare, args.layers)
     runs = dict(COMPARISONS[args.compare])
     if not BENCH_PYTHON.exists() and set(runs) & set(LLAMA_CPP):
         runs = {name: run for name, run in runs.items() if name not in LLAMA_CPP}

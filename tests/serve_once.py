@@ -1,6 +1,6 @@
 """Serve a checkpoint once at a tensor- and pipeline-parallel size and print what it computed:
 the top-1 token at every prompt position of a token list, and greedy continuations of prompts
-(in one batch, and with `alone`, each prompt by itself too).
+in one batch; with `alone`, each prompt by itself too, and what the int4 modules hold in memory.
 
     python tests/serve_once.py MODEL TP PP IDS.json [alone]   # prints one line: RESULT {...}
 
@@ -11,8 +11,12 @@ set up per process, and tests compare several sizes of the same checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # report.py, for workers too
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model ships report.py's function
 
 PROMPTS = [
     "The capital of France is",
@@ -52,7 +56,10 @@ def serve(model: str, tp: int, pp: int, ids: list[int], alone: bool = False) -> 
     top1 = [next(t for t, lp in d.items() if lp.rank == 1) for d in scored.prompt_logprobs[1:]]
     result = {"top1": top1, "greedy": _greedy(llm, PROMPTS)}
     if alone:
+        from report import int4_memory_report
+
         result["alone"] = [_greedy(llm, [prompt])[0] for prompt in PROMPTS]
+        result["memory"] = llm.apply_model(int4_memory_report)[0]
     return result
 
 

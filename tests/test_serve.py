@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 from cpu_int4.dequantized import load_reference_model, with_fp32_products
-
 from serve_once import GREEDY16, PROMPTS
 
 pytestmark = pytest.mark.vllm  # one engine (or server) shared by the module

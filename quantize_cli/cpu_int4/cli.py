@@ -244,7 +244,8 @@ def print_summary(summary: Summary) -> None:
     if experts.experts:
         out.print(
             f"  of which experts: {experts.experts} in {experts.layers} MoE layer{'s' * (experts.layers > 1)}"
-            f" ({experts.params / 1e6:.1f}M weights, {_gb(experts.source_bytes)} -> {_gb(experts.output_bytes)},"
+            f" ({experts.params / 1e6:.1f}M weights,"
+            f" {_gb(experts.source_bytes)} -> {_gb(experts.output_bytes)},"
             f" {8 * experts.output_bytes / experts.params:.2f} bits/weight); routers stay bf16"
         )
     sizes = ", ".join(map(str, plan.tp_sizes))

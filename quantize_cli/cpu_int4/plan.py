@@ -39,6 +39,17 @@ VOCAB_PADDING = 64  # vLLM pads a vocab table to a multiple of this before split
 # Architectures that end in a vocabulary head (tied or not). Encoder models (BertModel, ...)
 # have none, and vLLM builds their tables without a quantization config: those stay as they are.
 GENERATIVE = re.compile(r"(ForCausalLM|LMHeadModel|ForConditionalGeneration)$")
+# Architectures whose vLLM model (0.32, read in its sources) builds the token table without a
+# quantization config: an int4 table cannot load there (measured with Mixtral: "no module or
+# parameter named 'embed_tokens.weight_packed'"), so it stays as it is. Their heads are int4.
+PLAIN_TABLE_ARCHITECTURES = {
+    "AfmoeForCausalLM", "BailingMoeV25ForCausalLM", "BloomForCausalLM", "FalconForCausalLM",
+    "FalconH1ForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM", "GraniteMoeForCausalLM",
+    "GraniteMoeHybridForCausalLM", "HYV3ForCausalLM", "JambaForCausalLM", "Lfm2ForCausalLM",
+    "Lfm2MoeForCausalLM", "LongcatFlashForCausalLM", "MambaForCausalLM", "Mamba2ForCausalLM",
+    "MixtralForCausalLM", "NemotronForCausalLM", "OlmoHybridForCausalLM", "OPTForCausalLM",
+    "Plamo3ForCausalLM", "Qwen3NextForCausalLM",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -193,7 +204,13 @@ def make_plan(
     _refuse_fused_experts(ckpt)
     has_head = _has_head(ckpt)
     tied = has_head and _is_tied(ckpt)
-    choices = [_choose(t, group_size, patterns, quantize_embedding, tied, has_head, tp) for t in ckpt.tensors]
+    plain_table = next(
+        (a for a in ckpt.config.get("architectures") or [] if a in PLAIN_TABLE_ARCHITECTURES), None
+    )
+    choices = [
+        _choose(t, group_size, patterns, quantize_embedding, tied, has_head, plain_table, tp)
+        for t in ckpt.tensors
+    ]
     choices = _keep_fused_siblings_together(_keep_experts_together(choices))
     plan = Plan(group_size, quantize_embedding, tied, has_head, choices)
     # vLLM asks once for all experts of a layer (`<layer>.experts`): that name stands for them.
@@ -246,6 +263,7 @@ def _choose(
     quantize_embedding: bool,
     tied: bool,
     has_head: bool,
+    plain_table: str | None,
     tp: int,
 ) -> LayerChoice:
     if not info.name.endswith(".weight") or len(info.shape) != 2 or info.dtype not in FLOAT_DTYPES:
@@ -260,6 +278,8 @@ def _choose(
         return LayerChoice(info, "keep", "--no-quantize-embedding")
     if role == "embedding" and not has_head:
         return LayerChoice(info, "keep", "no output head: vLLM runs this table unquantized")
+    if role == "embedding" and plain_table:
+        return LayerChoice(info, "keep", f"vLLM builds {plain_table}'s table unquantized")
     if matches(module, patterns):
         return LayerChoice(info, "keep", "--ignore")
     problem = shape_problem(info.shape[0], info.shape[1], group_size) or tp_problem(

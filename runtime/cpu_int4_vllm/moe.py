@@ -69,13 +69,27 @@ class CpuInt4MoEMethod(FusedMoEMethodBase):
         native.request_amx()
         for stem in ("w13", "w2"):
             packed, scale, zero = (getattr(layer, f"{stem}_{s}").data for s in QUANTIZED_SUFFIXES)
-            experts = [
-                SimpleNamespace(**backend().prepare(packed[e], scale[e], zero[e], self.config))
-                for e in range(packed.shape[0])
-            ]
-            setattr(layer, f"int4_{stem}", experts)
             for suffix in QUANTIZED_SUFFIXES:
                 delattr(layer, f"{stem}_{suffix}")
+            prepared = [
+                backend().prepare(packed[e], scale[e], zero[e], self.config) for e in range(len(packed))
+            ]
+            del packed, scale, zero
+            # Stacked [E, ...] parameters, so the layer's weights are its parameters (for
+            # vLLM and memory reports alike); each expert's tensors are views of them.
+            stacked = {
+                key: None if tensor is None else torch.stack([p[key] for p in prepared])
+                for key, tensor in prepared[0].items()
+            }
+            del prepared
+            for key, tensor in stacked.items():
+                if tensor is not None:
+                    layer.register_parameter(f"{stem}_{key}", torch.nn.Parameter(tensor, requires_grad=False))
+            experts = [
+                SimpleNamespace(**{key: None if t is None else t[e] for key, t in stacked.items()})
+                for e in range(layer.local_num_experts)
+            ]
+            setattr(layer, f"int4_{stem}", experts)
         layer.int4_backend = backend()
         del layer.int4_loaded
 
@@ -151,7 +165,9 @@ def _check_supported(where: str, moe, hidden: int, intermediate: int, group_size
         raise ValueError(f"cpu_int4: {where}: experts with biases are not supported")
     if moe.moe_parallel_config.use_ep:
         raise ValueError(f"cpu_int4: {where}: int4 experts do not support expert parallelism")
-    problem = shape_problem(intermediate, hidden, group_size) or shape_problem(hidden, intermediate, group_size)
+    problem = shape_problem(intermediate, hidden, group_size) or shape_problem(
+        hidden, intermediate, group_size
+    )
     if problem and intermediate != moe.intermediate_size:
         tp = moe.intermediate_size // intermediate
         problem = (

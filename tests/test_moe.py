@@ -135,44 +135,58 @@ def test_fused_3d_experts_are_refused_in_one_line(qwen3_moe, tmp_path):
 
 @pytest.fixture(scope="module")
 def experts():
-    """8 random int4 experts (hidden 256, width 128, g64) on the native kernels, their exact
+    """8 random int4 experts (hidden 256, width 128, g64): their checkpoint tensors, exact
     float64 weights, and 400 tokens routed top-2 (over 64 rows per expert)."""
-    from cpu_int4_vllm import native_backend
-
     torch.manual_seed(0)
     count, hidden, width, g, tokens = 8, 256, 128, 64, 400
-    config = SimpleNamespace(group_size=g, use_custom_op=False)
 
-    def expert_linear(n, k):
-        packed, scale, zero = quantize_minmax(torch.randn(n, k) * 0.05, g)
-        kernel = SimpleNamespace(**native_backend.prepare(packed, scale, zero, config))
-        return kernel, dequantize(packed, scale, zero, g, torch.float64)
+    def checkpoint(n, k):
+        return [quantize_minmax(torch.randn(n, k) * 0.05, g) for _ in range(count)]
 
-    w13, w13_exact = zip(*[expert_linear(2 * width, hidden) for _ in range(count)], strict=True)
-    w2, w2_exact = zip(*[expert_linear(hidden, width) for _ in range(count)], strict=True)
+    w13, w2 = checkpoint(2 * width, hidden), checkpoint(hidden, width)
     weights, ids = torch.randn(tokens, count).softmax(-1).topk(2)
     return SimpleNamespace(
         x=torch.randn(tokens, hidden).bfloat16(),
         weights=weights,
         ids=ids,
-        w13=list(w13),
-        w2=list(w2),
-        w13_exact=w13_exact,
-        w2_exact=w2_exact,
+        w13=w13,
+        w2=w2,
+        w13_exact=[dequantize(*t, g, torch.float64) for t in w13],
+        w2_exact=[dequantize(*t, g, torch.float64) for t in w2],
         width=width,
-        linear=lambda inputs, expert: native_backend.linear(inputs, expert, config),
+        config=SimpleNamespace(group_size=g, use_custom_op=False, dequant_threshold=2, direct_dequant=True),
     )
 
 
-def run(case, rows=slice(None), weights=None, ids=None, x=None, **kwargs) -> torch.Tensor:
+def run(case, rows=slice(None), weights=None, ids=None, x=None, backend=None, **kwargs) -> torch.Tensor:
+    """The experts of `case` on a backend's kernels (native by default), through run_experts."""
+    from cpu_int4_vllm import native_backend
     from cpu_int4_vllm.moe import run_experts
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    backend = backend or native_backend
+
+    def stacked(checkpoint):
+        prepared = [backend.prepare(*tensors, case.config) for tensors in checkpoint]
+        return SimpleNamespace(
+            **{
+                k: None if v is None else torch.stack([p[k] for p in prepared])
+                for k, v in prepared[0].items()
+            }
+        )
 
     x = case.x if x is None else x
     weights = case.weights if weights is None else weights
     ids = case.ids if ids is None else ids
     return run_experts(
-        x[rows], weights[rows], ids[rows], case.w13, case.w2, case.linear, MoEActivation.SILU, **kwargs
+        x[rows],
+        weights[rows],
+        ids[rows],
+        stacked(case.w13),
+        stacked(case.w2),
+        lambda inputs, experts, groups: backend.grouped_linear(inputs, experts, groups, case.config),
+        MoEActivation.SILU,
+        **kwargs,
     )
 
 
@@ -198,6 +212,15 @@ def test_expert_kernel_and_dequantize_paths_agree(experts):
     assert snr(alone, batch) >= 40
     assert snr(alone, exact) >= 40
     assert snr(batch, exact) >= 40
+
+
+def test_the_tinygemm_backend_runs_the_same_experts(experts):
+    """Where the native kernels cannot be built, PyTorch's int4 kernel runs the experts."""
+    from cpu_int4_vllm import tinygemm_backend
+
+    native, tinygemm = run(experts, slice(0, 8)), run(experts, slice(0, 8), backend=tinygemm_backend)
+    noise = ((native.double() - tinygemm.double()) ** 2).sum()
+    assert 10 * torch.log10((native.double() ** 2).sum() / noise) >= 40
 
 
 def test_router_weight_on_the_input(experts):
@@ -291,4 +314,17 @@ def test_experts_that_cannot_split_over_ranks_fail_at_load_in_one_line(demo_mode
         "cpu_int4: model.layers.0.mlp.experts cannot be int4 here: expert width 192 over tp=2 is 96 per"
         " rank: K=96 is not a multiple of group size 64; requantize with `cpu-int4 quantize --tp 2`"
     )
+    assert expected in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+
+
+@pytest.mark.vllm
+def test_a_missing_expert_tensor_fails_at_load_naming_it(qwen3_moe, ids_file, tmp_path):
+    quant = tmp_path / "int4"
+    quantize(str(qwen3_moe), quant)
+    tensors = load_file(quant / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight_scale"]
+    save_file(tensors, quant / "model.safetensors", metadata={"format": "pt"})
+    proc = serve(quant, ids_file)
+    assert proc.returncode != 0
+    expected = "cpu_int4: model.layers.1.mlp.experts.5.up_proj.weight_scale is missing from the checkpoint"
     assert expected in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]

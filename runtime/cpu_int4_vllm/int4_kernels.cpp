@@ -280,48 +280,117 @@ void set_gemv_threads(int64_t threads) {
   gemv_threads = threads;
 }
 
+// x as the kernels read it: bf16 as given, fp32 (slot-scaled on the fp32 paths), group sums.
+struct Inputs {
+  at::Tensor xb, xq, xsum;
+};
+
+Inputs gemv_inputs(const at::Tensor& x, Isa path, int64_t K, int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.dtype() == at::kBFloat16, "cpu_int4 native: x must be bf16 [M, K]");
+  const at::Tensor xb = x.contiguous();
+  const at::Tensor xf = xb.to(at::kFloat);
+  const at::Tensor xsum = xf.view({xb.size(0), K / group_size, group_size}).sum(-1).contiguous();
+  return {xb, path == Isa::kAvx512Bf16 ? xf : slot_scaled(xf), xsum};
+}
+
+Problem problem_of(const Inputs& in, const at::Tensor& packed, const at::Tensor& sz, int64_t group_size) {
+  return {reinterpret_cast<const uint16_t*>(in.xb.data_ptr<at::BFloat16>()),
+          in.xq.data_ptr<float>(),
+          in.xsum.data_ptr<float>(),
+          packed.data_ptr<int32_t>(),
+          reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>()),
+          in.xb.size(0), in.xb.size(1), packed.size(-3) * kBlock, sz.size(-3), group_size};
+}
+
+const Kernel& kernel_of(Isa path) {
+  return path == Isa::kAvx512Bf16 ? kAvx512Bf16 : path == Isa::kAvx512 ? kAvx512 : kAvx2;
+}
+
+// Rows [0, P.M) of y (row stride P.N) for one block of W's rows.
+void gemv_block(const Kernel& kernel, const Problem& P, int64_t blk, float* y) {
+  float ybuf[kMaxRowsAtOnce * kBlock];
+  for (int64_t m0 = 0; m0 < P.M; m0 += kernel.rows) {
+    const int mr = static_cast<int>(std::min<int64_t>(kernel.rows, P.M - m0));
+    kernel.fn[mr - 1](P, blk, m0, ybuf);
+    for (int m = 0; m < mr; ++m)
+      std::memcpy(y + (m0 + m) * P.N + blk * kBlock, ybuf + m * kBlock, kBlock * sizeof(float));
+  }
+}
+
+// work(i) for i in [0, items), on the GEMV's own threads, or torch's when that count is 0.
+template <typename Work>
+void parallel_items(int64_t items, const Work& work) {
+  const int threads = std::min<int64_t>(gemv_threads.load(), items);
+  if (threads > 0) {
+    // Dynamic: inside vLLM a core is shared with the engine process's polling, and the thread
+    // on it must not be handed an equal share.
+    const int64_t chunk = std::max<int64_t>(1, items / (8 * threads));
+#pragma omp parallel for num_threads(threads) schedule(dynamic)
+    for (int64_t b = 0; b < items; b += chunk)
+      for (int64_t i = b; i < std::min(items, b + chunk); ++i) work(i);
+  } else {
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) work(i);
+    });
+  }
+}
+
 // y [M, N] fp32 = x [M, K] @ W^T on the path `isa` (an Isa value).
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t group_size,
                      int64_t isa) {
   check_weights(packed, sz, group_size);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1) * kStep && x.dtype() == at::kBFloat16,
-              "cpu_int4 native: x must be bf16 [M, K]");
   const Isa path = checked_isa(isa);
-  const at::Tensor xb = x.contiguous();
-  const at::Tensor xf = xb.to(at::kFloat);
-  const int64_t M = xb.size(0), K = xb.size(1), blocks = packed.size(0), G = sz.size(1);
-  const at::Tensor xsum = xf.view({M, G, group_size}).sum(-1).contiguous();
-  const at::Tensor xq = path == Isa::kAvx512Bf16 ? xf : slot_scaled(xf);
-  at::Tensor y = at::empty({M, blocks * kBlock}, xf.options());
-  const Problem P{reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()),
-                  xq.data_ptr<float>(),
-                  xsum.data_ptr<float>(),
-                  packed.data_ptr<int32_t>(),
-                  reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>()),
-                  M, K, blocks * kBlock, G, group_size};
-  const Kernel& kernel = path == Isa::kAvx512Bf16 ? kAvx512Bf16 : path == Isa::kAvx512 ? kAvx512 : kAvx2;
+  const Inputs in = gemv_inputs(x, path, packed.size(1) * kStep, group_size);
+  const Problem P = problem_of(in, packed, sz, group_size);
+  at::Tensor y = at::empty({P.M, P.N}, in.xq.options());
   float* yp = y.data_ptr<float>();
-  const auto blocks_from = [&](int64_t begin, int64_t end) {
-    float ybuf[kMaxRowsAtOnce * kBlock];
-    for (int64_t blk = begin; blk < end; ++blk) {
-      for (int64_t m0 = 0; m0 < M; m0 += kernel.rows) {
-        const int mr = static_cast<int>(std::min<int64_t>(kernel.rows, M - m0));
-        kernel.fn[mr - 1](P, blk, m0, ybuf);
-        for (int m = 0; m < mr; ++m)
-          std::memcpy(yp + (m0 + m) * P.N + blk * kBlock, ybuf + m * kBlock, kBlock * sizeof(float));
-      }
-    }
+  parallel_items(packed.size(0), [&](int64_t blk) { gemv_block(kernel_of(path), P, blk, yp); });
+  return y;
+}
+
+// Mixture-of-experts: for each row (expert, start, count) of `groups`, rows [start, start + count)
+// of y [M, N] fp32 = those rows of x times expert `expert`'s W^T, from all experts' weights
+// stacked (packed [E, N/16, K/8, 16], sz [E, N/16, K/g, 2, 16]). Rows outside every group are
+// left unwritten. One call and one parallel region for all the experts a batch uses: a call per
+// expert cost ~0.2 ms of dispatch a decode step per expert (Qwen3-30B-A3B shapes, 2 cores).
+at::Tensor int4_gemv_experts(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
+                             const at::Tensor& groups, int64_t group_size, int64_t isa) {
+  TORCH_CHECK(packed.dim() == 4 && sz.dim() == 5 && packed.size(0) == sz.size(0),
+              "cpu_int4 native: experts' packed [E, N/16, K/8, 16] and sz [E, N/16, K/g, 2, 16] expected");
+  check_weights(packed[0], sz[0], group_size);
+  TORCH_CHECK(packed.is_contiguous() && sz.is_contiguous(), "cpu_int4 native: experts' tensors must be contiguous");
+  TORCH_CHECK(groups.dtype() == at::kLong && groups.dim() == 2 && groups.size(1) == 3,
+              "cpu_int4 native: groups must be int64 [A, 3] rows of (expert, start, count)");
+  const Isa path = checked_isa(isa);
+  const Inputs in = gemv_inputs(x, path, packed.size(2) * kStep, group_size);
+  const Problem whole = problem_of(in, packed, sz, group_size);
+  at::Tensor y = at::empty({whole.M, whole.N}, in.xq.options());
+  const int64_t blocks = packed.size(1), expert_stride = packed[0].numel(), sz_stride = sz[0].numel();
+  const at::Tensor g = groups.contiguous();
+  const int64_t* gp = g.data_ptr<int64_t>();
+  struct Part {
+    Problem P;
+    float* y;
   };
-  const int threads = std::min<int64_t>(gemv_threads.load(), blocks);
-  if (threads > 0) {
-    // Dynamic: inside vLLM a core is shared with the engine process's polling, and the thread
-    // on it must not be handed an equal share.
-    const int64_t chunk = std::max<int64_t>(1, blocks / (8 * threads));
-#pragma omp parallel for num_threads(threads) schedule(dynamic)
-    for (int64_t b = 0; b < blocks; b += chunk) blocks_from(b, std::min(blocks, b + chunk));
-  } else {
-    at::parallel_for(0, blocks, 1, blocks_from);
+  std::vector<Part> parts;
+  float* yp = y.data_ptr<float>();
+  for (int64_t a = 0; a < g.size(0); ++a) {
+    const int64_t expert = gp[3 * a], start = gp[3 * a + 1], count = gp[3 * a + 2];
+    TORCH_CHECK(expert >= 0 && expert < packed.size(0) && start >= 0 && count >= 0 && start + count <= whole.M,
+                "cpu_int4 native: group (", expert, ", ", start, ", ", count, ") is out of range");
+    Problem P = whole;
+    P.x += start * P.K;
+    P.xq += start * P.K;
+    P.xsum += start * P.G;
+    P.packed += expert * expert_stride;
+    P.sz += expert * sz_stride;
+    P.M = count;
+    parts.push_back({P, yp + start * P.N});
   }
+  parallel_items(static_cast<int64_t>(parts.size()) * blocks, [&](int64_t item) {
+    const Part& part = parts[item / blocks];
+    gemv_block(kernel_of(path), part.P, item % blocks, part.y);
+  });
   return y;
 }
 
@@ -494,6 +563,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_quantize_minmax(const at::Te
 
 TORCH_LIBRARY(cpu_int4_native, m) {
   m.def("gemv(Tensor x, Tensor packed, Tensor sz, int group_size, int isa) -> Tensor");
+  m.def("gemv_experts(Tensor x, Tensor packed, Tensor sz, Tensor groups, int group_size, int isa) -> Tensor");
   m.def("dequantize_t(Tensor packed, Tensor sz, int group_size, int isa, Tensor(a!) out) -> ()");
   m.def("quantize_minmax(Tensor weight, int group_size) -> (Tensor, Tensor, Tensor)");
   m.def("set_gemv_threads(int threads) -> ()");
@@ -503,6 +573,7 @@ TORCH_LIBRARY_FRAGMENT(cpu_int4_native, m) { m.impl("set_gemv_threads", set_gemv
 
 TORCH_LIBRARY_IMPL(cpu_int4_native, CPU, m) {
   m.impl("gemv", int4_gemv);
+  m.impl("gemv_experts", int4_gemv_experts);
   m.impl("dequantize_t", int4_dequantize_t);
   m.impl("quantize_minmax", int4_quantize_minmax);
 }

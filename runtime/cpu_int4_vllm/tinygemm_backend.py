@@ -44,6 +44,24 @@ def linear(x: torch.Tensor, layer, config) -> torch.Tensor:
     )
 
 
+def grouped_linear(x: torch.Tensor, experts, groups: list[tuple[int, int, int]], config) -> torch.Tensor:
+    """Rows of bf16 x [M, K] times their expert's W^T, fp32 [M, N] (native_backend.grouped_linear),
+    an expert at a time."""
+    out = x.new_empty(x.shape[0], experts.scales_and_zeros.shape[2], dtype=torch.float32)
+    for expert, start, count in groups:
+        rowmajor = None if experts.int4_rowmajor is None else experts.int4_rowmajor[expert]
+        rows = slice(start, start + count)
+        out[rows] = int4_linear(
+            x[rows],
+            experts.int4_packed[expert],
+            experts.scales_and_zeros[expert],
+            config.group_size,
+            config.dequant_threshold,
+            rowmajor,
+        )
+    return out
+
+
 def prepare_kernel_weights(
     packed: torch.Tensor,
     scale: torch.Tensor,

@@ -72,6 +72,22 @@ def test_a_row_gives_the_same_bits_alone_and_in_any_batch(isa):
 
 
 @pytest.mark.parametrize("isa", HOST_ISAS)
+def test_grouped_experts_give_each_group_its_experts_bits(isa):
+    """gemv_experts (a MoE layer's experts in one call) = gemv of each group's rows by its expert."""
+    experts = [pack_native(*quantized(48, 256, 64, seed=e)) for e in range(4)]
+    packed = torch.stack([lanes for lanes, _ in experts])
+    sz = torch.stack([s for _, s in experts])
+    x = torch.randn(9, 256).bfloat16()
+    groups = torch.tensor([[2, 0, 1], [0, 1, 5], [3, 6, 3]])  # (expert, first row, rows)
+    out = torch.ops.cpu_int4_native.gemv_experts(x, packed, sz, groups, 64, isa)
+    for expert, start, count in groups.tolist():
+        rows = slice(start, start + count)
+        assert torch.equal(out[rows], gemv(x[rows], packed[expert], sz[expert], 64, isa))
+    with pytest.raises(RuntimeError, match=r"group \(4, 0, 1\) is out of range"):
+        torch.ops.cpu_int4_native.gemv_experts(x, packed, sz, torch.tensor([[4, 0, 1]]), 64, isa)
+
+
+@pytest.mark.parametrize("isa", HOST_ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("g", [32, 64, 128, 256])
 def test_dequantize_is_the_format_exactly(g, dtype, isa):

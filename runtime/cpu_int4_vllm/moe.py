@@ -68,20 +68,12 @@ class CpuInt4MoEMethod(FusedMoEMethodBase):
         _check_all_loaded(layer, self.moe)
         native.request_amx()
         for stem in ("w13", "w2"):
-            packed, scale, zero = (getattr(layer, f"{stem}_{s}").data for s in QUANTIZED_SUFFIXES)
+            checkpoint = [getattr(layer, f"{stem}_{suffix}").data for suffix in QUANTIZED_SUFFIXES]
             for suffix in QUANTIZED_SUFFIXES:
                 delattr(layer, f"{stem}_{suffix}")
-            prepared = [
-                backend().prepare(packed[e], scale[e], zero[e], self.config) for e in range(len(packed))
-            ]
-            del packed, scale, zero
-            # Stacked [E, ...] (the grouped kernel's input), and registered: the layer's weights
-            # are its parameters, for vLLM and memory reports alike.
-            stacked = {
-                key: None if tensor is None else torch.stack([p[key] for p in prepared])
-                for key, tensor in prepared[0].items()
-            }
-            del prepared
+            stacked = _kernel_experts(*checkpoint, self.config)
+            del checkpoint
+            # Registered: the layer's weights are its parameters, for vLLM and memory reports.
             for key, tensor in stacked.items():
                 if tensor is not None:
                     layer.register_parameter(f"{stem}_{key}", torch.nn.Parameter(tensor, requires_grad=False))
@@ -144,8 +136,8 @@ def run_experts(
         if count:
             groups.append((expert, start, count))
             start += count
-    weights = topk_weights.flatten()[order].float()[:, None]
-    inputs = x[token_of]
+    weights = topk_weights.flatten().index_select(0, order).float()[:, None]
+    inputs = x.index_select(0, token_of)
     if weight_on_input:  # the router's weight scales the input instead of the output
         inputs = (inputs.float() * weights).to(x.dtype)
     hidden = grouped_linear(inputs, w13, groups).to(x.dtype)
@@ -158,6 +150,15 @@ def run_experts(
     # also took 1.1 ms per decode step inside vLLM (its parallel path waiting for a core).
     per_token = product.index_select(0, order.argsort()).view(tokens, top_k, -1)
     return per_token.sum(1).to(x.dtype)
+
+
+def _kernel_experts(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, config) -> dict:
+    """The backend's tensors of every expert, stacked [E, ...] (the grouped kernel's input)."""
+    prepared = [backend().prepare(packed[e], scale[e], zero[e], config) for e in range(len(packed))]
+    return {
+        key: None if tensor is None else torch.stack([p[key] for p in prepared])
+        for key, tensor in prepared[0].items()
+    }
 
 
 def _check_supported(where: str, moe, hidden: int, intermediate: int, group_size: int) -> None:

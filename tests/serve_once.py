@@ -1,8 +1,9 @@
 """Serve a checkpoint once at a tensor- and pipeline-parallel size and print what it computed:
 the top-1 token at every prompt position of a token list, and greedy continuations of prompts
 in one batch; with `alone`, each prompt by itself too, and what the int4 modules hold in memory.
+Eager, unless `compiled` asks for vLLM's default compilation.
 
-    python tests/serve_once.py MODEL TP PP IDS.json [alone]   # prints one line: RESULT {...}
+    python tests/serve_once.py MODEL TP PP IDS.json [alone] [compiled]   # prints: RESULT {...}
 
 A process of its own per engine: vLLM's distributed state (ranks, shared-memory broadcast) is
 set up per process, and tests compare several sizes of the same checkpoint.
@@ -32,7 +33,7 @@ PROMPTS = [
 GREEDY16 = dict(max_tokens=16, temperature=0.0)
 
 
-def serve(model: str, tp: int, pp: int, ids: list[int], alone: bool = False) -> dict:
+def serve(model: str, tp: int, pp: int, ids: list[int], alone: bool = False, compiled: bool = False) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -40,12 +41,13 @@ def serve(model: str, tp: int, pp: int, ids: list[int], alone: bool = False) -> 
     # stages only in its warm-up run, which eager mode skips: stage 2 then fails (AssertionError
     # in sync_and_gather_intermediate_tensors; bf16 checkpoints too). Dynamo with its plain
     # eager backend runs that warm-up and costs seconds, not inductor's minutes.
+    mode = {"compilation_config": {"mode": 1, "backend": "eager"}} if pp > 1 else {"enforce_eager": True}
     llm = LLM(
         model=model,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         distributed_executor_backend="mp",
-        **({"compilation_config": {"mode": 1, "backend": "eager"}} if pp > 1 else {"enforce_eager": True}),
+        **({} if compiled else mode),
         max_model_len=2048,
         kv_cache_memory_bytes=1 << 28,
         seed=0,
@@ -72,6 +74,7 @@ def _greedy(llm, prompts: list[str]) -> list[list[int]]:
 
 if __name__ == "__main__":
     model, tp, pp, ids_file = sys.argv[1:5]
-    alone = sys.argv[5:] == ["alone"]
-    result = serve(model, int(tp), int(pp), json.loads(Path(ids_file).read_text()), alone)
+    flags = set(sys.argv[5:])
+    ids = json.loads(Path(ids_file).read_text())
+    result = serve(model, int(tp), int(pp), ids, alone="alone" in flags, compiled="compiled" in flags)
     print("RESULT " + json.dumps(result), flush=True)

@@ -80,6 +80,7 @@ class CpuInt4MoEMethod(FusedMoEMethodBase):
             setattr(layer, f"int4_{stem}", SimpleNamespace(**stacked))
         layer.int4_backend = backend()
         del layer.int4_loaded
+        _LAYERS[layer.layer_name] = layer
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         return None  # no vLLM MoE kernel runs these experts
@@ -94,19 +95,42 @@ class CpuInt4MoEMethod(FusedMoEMethodBase):
         shared_experts_input,
     ) -> torch.Tensor:
         # Shared experts, where the model has them, are run by vLLM's MoE runner.
-        return run_experts(
-            x,
-            topk_weights,
-            topk_ids,
-            layer.int4_w13,
-            layer.int4_w2,
-            lambda rows, experts, groups: layer.int4_backend.grouped_linear(
-                rows, experts, groups, self.config
-            ),
-            layer.activation,
-            self.moe.is_act_and_mul,
-            layer.apply_router_weight_on_input,
-        )
+        forward = experts_op if self.config.use_custom_op else experts_forward
+        return forward(x, topk_weights, topk_ids, layer.layer_name)
+
+
+# Each process's int4 expert layers by name, for the custom op below (the pattern of vLLM's own
+# MoE op): an op takes tensors and plain values, not modules.
+_LAYERS: dict[str, torch.nn.Module] = {}
+
+
+def experts_forward(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer_name: str
+) -> torch.Tensor:
+    """The routed experts of layer `layer_name` on bf16 x [T, H] (run_experts)."""
+    layer = _LAYERS[layer_name]
+    config = layer.quant_method.config
+    return run_experts(
+        x,
+        topk_weights,
+        topk_ids,
+        layer.int4_w13,
+        layer.int4_w2,
+        lambda rows, experts, groups: layer.int4_backend.grouped_linear(rows, experts, groups, config),
+        layer.activation,
+        layer.moe_config.is_act_and_mul,
+        layer.apply_router_weight_on_input,
+    )
+
+
+# experts_forward as an opaque op: vLLM's compiled mode traced into it and stopped at the
+# data-dependent grouping ("Could not guard on data-dependent expression").
+experts_op = torch.library.custom_op("cpu_int4::experts", experts_forward, mutates_args=())
+
+
+@experts_op.register_fake
+def _(x, topk_weights, topk_ids, layer_name):
+    return torch.empty_like(x)
 
 
 def run_experts(

@@ -34,11 +34,11 @@ def load_reference_model(path: Path, dtype: torch.dtype = torch.bfloat16):
     Loaded through `from_pretrained`, so transformers maps checkpoint names onto its modules
     as it does for any checkpoint (its MoE classes hold all experts of a layer in one tensor).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
     config = AutoConfig.from_pretrained(path)
     del config.quantization_config
-    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     model, info = model_class.from_pretrained(
         None,
         config=config,

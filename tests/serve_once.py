@@ -6,13 +6,15 @@ Eager, unless `compiled` asks for vLLM's default compilation.
     python tests/serve_once.py MODEL TP PP IDS.json [alone] [compiled]   # prints: RESULT {...}
 
 A process of its own per engine: vLLM's distributed state (ranks, shared-memory broadcast) is
-set up per process, and tests compare several sizes of the same checkpoint.
+set up per process, and tests compare several sizes of the same checkpoint. Tests start it with
+`launch` and read it with `result`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +33,24 @@ PROMPTS = [
     "Q: What is the boiling point of water at sea level? A:",
 ]
 GREEDY16 = dict(max_tokens=16, temperature=0.0)
+POSITIONS = 1024  # positions of wiki.test.raw the tests score (conftest's ids_file)
+
+
+def launch(model: Path, tp: int, pp: int, ids_file: Path, *flags: str) -> subprocess.CompletedProcess:
+    """This script on `model` in a fresh process (flags: `alone`, `compiled`)."""
+    return subprocess.run(
+        [sys.executable, __file__, model, str(tp), str(pp), ids_file, *flags],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def result(proc: subprocess.CompletedProcess) -> dict:
+    """What a launched run printed; fails with its stderr when it did not finish."""
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
 
 
 def serve(model: str, tp: int, pp: int, ids: list[int], alone: bool = False, compiled: bool = False) -> dict:

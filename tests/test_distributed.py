@@ -9,45 +9,15 @@ both with untied heads, so the vocab-parallel table and the head are each split 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from cpu_int4.quantize import quantize
+from serve_once import POSITIONS, launch, result
 from tiny_models import splittable
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-SERVE_ONCE = Path(__file__).with_name("serve_once.py")
-POSITIONS = 1024
-
-
-@pytest.fixture(scope="module")
-def ids_file(demo_model, wiki, tmp_path_factory) -> Path:
-    from transformers import AutoTokenizer
-
-    ids = AutoTokenizer.from_pretrained(demo_model).encode(wiki.read_text()[:20000])[: POSITIONS + 1]
-    path = tmp_path_factory.mktemp("ids") / "ids.json"
-    path.write_text(json.dumps(ids))
-    return path
-
-
-def serve(model: Path, tp: int, pp: int, ids_file: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, SERVE_ONCE, model, str(tp), str(pp), ids_file],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-
-
-def result(proc: subprocess.CompletedProcess) -> dict:
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -66,9 +36,9 @@ def assert_serves_as_one_rank(name: str, quant: Path, splits: list[tuple[int, in
     continuations for all prompts but at most one: two ranks round their partial sums to bf16
     before adding them, so a near-tie can flip once, and a 16-token continuation then goes
     elsewhere (the Qwen2 at TP=2 did so on 1 of 4 prompts, with 99.8% top-1 agreement)."""
-    single = result(serve(quant, 1, 1, ids_file))
+    single = result(launch(quant, 1, 1, ids_file))
     for tp, pp in splits:
-        split = result(serve(quant, tp, pp, ids_file))
+        split = result(launch(quant, tp, pp, ids_file))
         top1 = torch.tensor(split["top1"]) == torch.tensor(single["top1"])
         same = [a == b for a, b in zip(split["greedy"], single["greedy"], strict=True)]
         print(
@@ -95,7 +65,7 @@ def test_a_layer_that_cannot_be_split_fails_at_load_in_one_line(demo_model, ids_
     quant = tmp_path / "int4"
     summary = quantize(str(source), quant)  # planned for tp=1: down_proj (K=704) is int4
     assert summary.plan.tp_sizes == [1]
-    proc = serve(quant, 2, 1, ids_file)
+    proc = launch(quant, 2, 1, ids_file)
     assert proc.returncode != 0
     expected = (
         "cpu_int4: layer model.layers.0.mlp.down_proj cannot be int4 here: K=704 over tp=2: "

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,11 +18,9 @@ from cpu_int4.dequantized import load_reference_model
 from cpu_int4.quantize import quantize
 from cpu_int4_vllm.format import dequantize, expert_layer, is_router, quantize_minmax
 from safetensors.torch import load_file, save_file
+from serve_once import POSITIONS, launch, result
 from tiny_models import MOE_ARCHS, tiny_moe
 from typer.testing import CliRunner
-
-SERVE_ONCE = Path(__file__).with_name("serve_once.py")
-POSITIONS = 1024
 
 
 @pytest.fixture(scope="module")
@@ -234,29 +231,8 @@ def test_router_weight_on_the_input(experts):
 # Served: one engine per (family, weights), each in a process of its own.
 
 
-@pytest.fixture(scope="module")
-def ids_file(demo_model, wiki, tmp_path_factory) -> Path:
-    from transformers import AutoTokenizer
-
-    ids = AutoTokenizer.from_pretrained(demo_model).encode(wiki.read_text()[:20000])[: POSITIONS + 1]
-    path = tmp_path_factory.mktemp("ids") / "ids.json"
-    path.write_text(json.dumps(ids))
-    return path
-
-
 def serve(model: Path, ids_file: Path, tp: int = 1, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, SERVE_ONCE, model, str(tp), "1", ids_file, "alone", *flags],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-
-
-def result(proc: subprocess.CompletedProcess) -> dict:
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return launch(model, tp, 1, ids_file, "alone", *flags)
 
 
 def torch_top1(model, ids: list[int]) -> torch.Tensor:

@@ -291,8 +291,23 @@ def test_compiled_mode_serves_the_int4_experts(qwen3_moe, ids_file, tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_int4_experts_serve_across_two_ranks(qwen3_moe, ids_file, tmp_path):
+    """TP=2 splits each expert's width (w13 along N, w2 along K) over the ranks' int4 shares."""
+    quant = tmp_path / "int4"
+    quantize(str(qwen3_moe), quant)
+    one, two = result(launch(quant, 1, 1, ids_file)), result(launch(quant, 2, 1, ids_file))
+    agree = (torch.tensor(two["top1"]) == torch.tensor(one["top1"])).float().mean().item()
+    same = sum(a == b for a, b in zip(one["greedy"], two["greedy"], strict=True))
+    print(f"\nqwen3_moe TP=2 vs TP=1: top-1 agreement {agree:.2%}; greedy equal for {same}/8")
+    assert agree >= 0.97
+    assert same >= 7
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_experts_that_cannot_split_over_ranks_fail_at_load_in_one_line(demo_model, ids_file, tmp_path):
-    """Expert width 192 is int4 on one rank at g64; on two, w2's K is 96 per rank."""
+    """Expert width 192 is int4 on one rank at g64; on two, w2's K is 96 per rank. Planned for
+    two ranks (`--tp 2`), those experts stay bf16 and the model serves."""
     source = tiny_moe(tmp_path / "bf16", demo_model, "qwen3_moe", expert_width=192)
     quant = tmp_path / "int4"
     assert quantize(str(source), quant).plan.tp_sizes == [1]
@@ -303,6 +318,10 @@ def test_experts_that_cannot_split_over_ranks_fail_at_load_in_one_line(demo_mode
         " rank: K=96 is not a multiple of group size 64; requantize with `cpu-int4 quantize --tp 2`"
     )
     assert expected in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+    planned = tmp_path / "int4-tp2"
+    plan = quantize(str(source), planned, tp=2).plan
+    assert plan.ignore == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert len(result(launch(planned, 2, 1, ids_file))["top1"]) == POSITIONS
 
 
 @pytest.mark.vllm

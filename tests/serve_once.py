@@ -32,6 +32,14 @@ PROMPTS = [
     "woodcutter and his daughter. Every morning they",
     "Q: What is the boiling point of water at sea level? A:",
 ]
+# The distributed tests compare these 4 across ranks: with all 8 above, the demo model at PP=2
+# kept every top-1 but changed one or two continuations (flaky at "all but one").
+RANK_PROMPTS = [
+    "The capital of France is",
+    "In 1905 Albert Einstein published four papers that",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village at the edge of a great forest,",
+]
 GREEDY16 = dict(max_tokens=16, temperature=0.0)
 POSITIONS = 1024  # positions of wiki.test.raw the tests score (conftest's ids_file)
 
@@ -76,7 +84,7 @@ def serve(model: str, tp: int, pp: int, ids: list[int], alone: bool = False, com
         [TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False
     )[0]
     top1 = [next(t for t, lp in d.items() if lp.rank == 1) for d in scored.prompt_logprobs[1:]]
-    result = {"top1": top1, "greedy": _greedy(llm, PROMPTS)}
+    result = {"top1": top1, "greedy": _greedy(llm, PROMPTS if alone else RANK_PROMPTS)}
     if alone:
         from report import int4_memory_report
 

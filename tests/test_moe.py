@@ -295,7 +295,7 @@ def test_int4_experts_serve_across_two_ranks(qwen3_moe, ids_file, tmp_path):
     """TP=2 splits each expert's width (w13 along N, w2 along K) over the ranks' int4 shares."""
     quant = tmp_path / "int4"
     quantize(str(qwen3_moe), quant)
-    one, two = result(launch(quant, 1, 1, ids_file)), result(launch(quant, 2, 1, ids_file))
+    one, two = result(launch(quant, 1, 1, ids_file, "alone")), result(launch(quant, 2, 1, ids_file, "alone"))
     agree = (torch.tensor(two["top1"]) == torch.tensor(one["top1"])).float().mean().item()
     same = sum(a == b for a, b in zip(one["greedy"], two["greedy"], strict=True))
     print(f"\nqwen3_moe TP=2 vs TP=1: top-1 agreement {agree:.2%}; greedy equal for {same}/8")

@@ -3,6 +3,8 @@ worker with `LLM.apply_model`."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 from cpu_int4_vllm.format import PACKED_SUFFIX, quantized_tensors
 
@@ -79,6 +81,12 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def torch_threads(model: torch.nn.Module) -> int:
     """The intra-op threads of the worker holding `model` (for apply_model)."""
     return torch.get_num_threads()
+
+
+def nice_values(model: torch.nn.Module) -> tuple[int, int]:
+    """The nice values of the worker holding `model` and of its parent, vLLM's engine core (for
+    apply_model)."""
+    return os.getpriority(os.PRIO_PROCESS, 0), os.getpriority(os.PRIO_PROCESS, os.getppid())
 
 
 def compute_paths(model: torch.nn.Module) -> dict:

@@ -1,7 +1,8 @@
 """Decode, prefill, memory and engine start: vLLM bf16 vs cpu_int4 vs llama.cpp, cpu_int4 at
 TP=1 vs TP=2, cpu_int4 under different thread settings, or a mixture-of-experts model.
 
-    .venv/bin/python bench/serve.py [--rounds 3] [--layers 4] [--compare int4|tp|threads|moe]
+    .venv/bin/python bench/serve.py [--rounds 3] [--layers 4] [--compare int4|tp|threads|moe|nice]
+                                       [--compiled]
 
 The model: 4 Llama-2-7B-shaped layers (hidden 4096, MLP 11008, vocab 49152, untied head),
 random bf16 weights (bench/synthetic.py), its `cpu-int4 quantize` output (g64) and, where
@@ -16,7 +17,9 @@ their spread (min-max), the ratios to the first run, the thread settings and the
 own core (VLLM_CPU_OMP_THREADS_BIND=0|1). `--compare threads` is the study in docs/runtime.md.
 `--compare moe` serves 4 Qwen3-30B-A3B-shaped layers instead (hidden 2048, 128 experts of width
 768, 8 active per token; vocab 49152): bf16 against cpu_int4 on the host's kernel and on the
-AVX2 path.
+AVX2 path. `--compare nice` serves that model in bf16 and cpu_int4, each with and without
+CPU_INT4_ENGINE_NICE=19 (runtime/cpu_int4_vllm/engine_priority.py). `--compiled` serves in vLLM's
+default mode (torch.compile), as `vllm serve` does without flags, instead of eager.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_int4_vllm.engine_priority import ENV as ENGINE_NICE  # noqa: E402
 from kernel import cpu_description  # noqa: E402
 from synthetic import build_synthetic, build_synthetic_moe  # noqa: E402
 
@@ -86,13 +90,20 @@ COMPARISONS = {
         "vLLM cpu_int4": Run("int4"),
         "cpu_int4, AVX2 path": Run("int4", env=(("CPU_INT4_ISA", "avx2"),)),
     },
+    "nice": {
+        "vLLM bf16": Run("bf16"),
+        "vLLM bf16, engine nice 19": Run("bf16", env=((ENGINE_NICE, "19"),)),
+        "vLLM cpu_int4": Run("int4"),
+        "cpu_int4, engine nice 19": Run("int4", env=((ENGINE_NICE, "19"),)),
+    },
 }
 # The checkpoint each comparison serves: (cache folder stem, builder).
-MODELS = {"moe": ("synthetic-qwen3-30b-a3b-shapes", build_synthetic_moe)}
+MOE_MODEL = ("synthetic-qwen3-30b-a3b-shapes", build_synthetic_moe)
+MODELS = {"moe": MOE_MODEL, "nice": MOE_MODEL}
 DENSE_MODEL = ("synthetic-7b-shapes", build_synthetic)
 
 
-def measure(model: str, tp: int) -> dict:
+def measure(model: str, tp: int, compiled: bool) -> dict:
     """One model in this process: start the engine, then time decode and prefill."""
     import psutil
     import torch
@@ -104,7 +115,7 @@ def measure(model: str, tp: int) -> dict:
     llm = LLM(
         model=model,
         skip_tokenizer_init=True,
-        enforce_eager=True,
+        enforce_eager=not compiled,
         max_model_len=2048,
         enable_prefix_caching=False,
         seed=0,
@@ -140,7 +151,7 @@ def measure(model: str, tp: int) -> dict:
     }
 
 
-def run_worker(model: Path, run: Run) -> dict:
+def run_worker(model: Path, run: Run, compiled: bool) -> dict:
     """`run` measured in a fresh process: vLLM here, llama.cpp in its own venv."""
     if run.checkpoint not in ("bf16", "int4"):
         script = Path(__file__).with_name("llamacpp.py")
@@ -155,7 +166,8 @@ def run_worker(model: Path, run: Run) -> dict:
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # apply_model ships a function to the worker
     }
-    return result_of([sys.executable, __file__, "--worker", str(model), "--tp", str(run.tp)], env, model)
+    command = [sys.executable, __file__, "--worker", str(model), "--tp", str(run.tp)]
+    return result_of(command + ["--compiled"] * compiled, env, model)
 
 
 def result_of(command: list[str], env: dict, model: Path) -> dict:
@@ -218,11 +230,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--compare", choices=sorted(COMPARISONS), default="int4")
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="vLLM's default mode (torch.compile), as `vllm serve` runs without flags",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(measure(args.worker, args.tp)), flush=True)
+        print("RESULT " + json.dumps(measure(args.worker, args.tp, args.compiled)), flush=True)
         return
     checkpoints = prepared_models(args.compare, args.layers)
     runs = dict(COMPARISONS[args.compare])
@@ -233,7 +250,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
         for name in order:
-            results[name].append(run_worker(checkpoints[runs[name].checkpoint], runs[name]))
+            results[name].append(run_worker(checkpoints[runs[name].checkpoint], runs[name], args.compiled))
             print(f"round {round_ + 1} {name}: {results[name][-1]}", file=sys.stderr, flush=True)
     print_table(results)
     describe(runs, results)

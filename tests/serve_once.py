@@ -1,6 +1,7 @@
 """Serve a checkpoint once at a tensor- and pipeline-parallel size and print what it computed:
-the top-1 token at every prompt position of a token list, and greedy continuations of prompts
-in one batch; with `alone`, each prompt by itself too, and what the int4 modules hold in memory.
+the top-1 token at every prompt position of a token list, greedy continuations of prompts in
+one batch, and the nice values of each worker and of the engine core; with `alone`, each
+prompt by itself too, and what the int4 modules hold in memory.
 Eager, unless `compiled` asks for vLLM's default compilation.
 
     python tests/serve_once.py MODEL TP PP IDS.json [alone] [compiled]   # prints: RESULT {...}
@@ -44,10 +45,14 @@ GREEDY16 = dict(max_tokens=16, temperature=0.0)
 POSITIONS = 1024  # positions of wiki.test.raw the tests score (conftest's ids_file)
 
 
-def launch(model: Path, tp: int, pp: int, ids_file: Path, *flags: str) -> subprocess.CompletedProcess:
-    """This script on `model` in a fresh process (flags: `alone`, `compiled`)."""
+def launch(
+    model: Path, tp: int, pp: int, ids_file: Path, *flags: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """This script on `model` in a fresh process (flags: `alone`, `compiled`), with `env` added
+    to this process's environment."""
     return subprocess.run(
         [sys.executable, __file__, model, str(tp), str(pp), ids_file, *flags],
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=900,
@@ -62,6 +67,7 @@ def result(proc: subprocess.CompletedProcess) -> dict:
 
 
 def serve(model: str, tp: int, pp: int, ids: list[int], alone: bool = False, compiled: bool = False) -> dict:
+    from report import nice_values
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -84,7 +90,11 @@ def serve(model: str, tp: int, pp: int, ids: list[int], alone: bool = False, com
         [TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False
     )[0]
     top1 = [next(t for t, lp in d.items() if lp.rank == 1) for d in scored.prompt_logprobs[1:]]
-    result = {"top1": top1, "greedy": _greedy(llm, PROMPTS if alone else RANK_PROMPTS)}
+    result = {
+        "top1": top1,
+        "greedy": _greedy(llm, PROMPTS if alone else RANK_PROMPTS),
+        "nice": llm.apply_model(nice_values),
+    }
     if alone:
         from report import int4_memory_report
 

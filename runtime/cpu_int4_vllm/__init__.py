@@ -9,14 +9,17 @@ _registered = False
 
 
 def register() -> None:
-    """Register the `cpu_int4` quantization config with vLLM (once per process)."""
+    """Register the `cpu_int4` quantization config with vLLM (once per process), and lower the
+    engine core's priority where $CPU_INT4_ENGINE_NICE asks for it (engine_priority.py)."""
     global _registered
     if _registered:
         return
     from vllm.model_executor.layers.quantization import register_quantization_config
 
     from .config import CpuInt4Config
+    from .engine_priority import lower_engine_priority
     from .format import QUANT_METHOD
 
     register_quantization_config(QUANT_METHOD)(CpuInt4Config)
+    lower_engine_priority()
     _registered = True

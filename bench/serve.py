@@ -18,7 +18,8 @@ own core (VLLM_CPU_OMP_THREADS_BIND=0|1). `--compare threads` is the study in do
 `--compare moe` serves 4 Qwen3-30B-A3B-shaped layers instead (hidden 2048, 128 experts of width
 768, 8 active per token; vocab 49152): bf16 against cpu_int4 on the host's kernel and on the
 AVX2 path. `--compare nice` serves that model in bf16 and cpu_int4, each with and without
-CPU_INT4_ENGINE_NICE=19 (runtime/cpu_int4_vllm/engine_priority.py). `--compiled` serves in vLLM's
+CPU_INT4_ENGINE_NICE=19 (runtime/cpu_int4_vllm/engine_priority.py), and cpu_int4 under vLLM's
+default binding (`auto`: a core kept for the engine per rank). `--compiled` serves in vLLM's
 default mode (torch.compile), as `vllm serve` does without flags, instead of eager.
 """
 
@@ -95,6 +96,7 @@ COMPARISONS = {
         "vLLM bf16, engine nice 19": Run("bf16", env=((ENGINE_NICE, "19"),)),
         "vLLM cpu_int4": Run("int4"),
         "cpu_int4, engine nice 19": Run("int4", env=((ENGINE_NICE, "19"),)),
+        "cpu_int4, vLLM's default binding": Run("int4", bind="auto"),
     },
 }
 # The checkpoint each comparison serves: (cache folder stem, builder).

@@ -12,7 +12,8 @@ eager. Decode: tokens/s over 128 greedy tokens at batch 1 (the first token's tim
 prefill, taken out). Prefill: a 512-token prompt, time to its first token. Memory: RSS of the
 serving processes after load, and the bytes the model's parameters hold. Prints medians with
 their spread (min-max), the ratios to the first run, the thread settings and the CPU.
-`--compare int4` also runs the cpu_int4 model on the AVX2 kernel path (CPU_INT4_ISA=avx2).
+`--compare int4` also runs the cpu_int4 model on the AVX2 kernel path (CPU_INT4_ISA=avx2), on
+hosts whose own path is wider.
 `--compare tp` serves it on one rank and on two (vLLM's `mp` executor), each rank bound to its
 own core (VLLM_CPU_OMP_THREADS_BIND=0|1). `--compare threads` is the study in docs/runtime.md.
 `--compare moe` serves 4 Qwen3-30B-A3B-shaped layers instead (hidden 2048, 128 experts of width
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_int4_vllm import native  # noqa: E402
 from cpu_int4_vllm.engine_priority import ENV as ENGINE_NICE  # noqa: E402
 from kernel import cpu_description  # noqa: E402
 from synthetic import build_synthetic, build_synthetic_moe  # noqa: E402
@@ -248,6 +250,9 @@ def main() -> None:
     if not BENCH_PYTHON.exists() and set(runs) & set(LLAMA_CPP):
         runs = {name: run for name, run in runs.items() if name not in LLAMA_CPP}
         print("no .bench-venv (`make bench-deps` builds it): no llama.cpp runs", file=sys.stderr)
+    if native.supported_isas() == [native.Isa.AVX2]:
+        runs = {name: run for name, run in runs.items() if ("CPU_INT4_ISA", "avx2") not in run.env}
+        print("this host's own kernel path is AVX2: no separate AVX2 column", file=sys.stderr)
     results: dict[str, list[dict]] = {name: [] for name in runs}
     for round_ in range(args.rounds):
         order = list(runs) if round_ % 2 == 0 else list(reversed(runs))

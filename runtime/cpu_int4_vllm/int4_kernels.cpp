@@ -184,13 +184,13 @@ AVX2 void block_avx2(const Problem& P, int64_t blk, int64_t m0, float* y) {
       }
     }
     // The few steps whose x lost bits in its int16 block, with what it lost.
-    for (int m = 0; m < MR; ++m) {
+    _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
       const int64_t row = m0 + m;
       for (uint32_t fix = P.xfix[row * P.G + gi]; fix != 0; fix &= fix - 1) {
         const int64_t c = gi * steps + __builtin_ctz(fix);
         const __m256 unit = _mm256_mul_ps(_mm256_broadcast_ss(P.xunit + row * (P.K / kStep) + c),
                                           _mm256_set1_ps(1.0f / 32768));
-        for (int h = 0; h < 2; ++h) {
+        _Pragma("GCC unroll 8") for (int h = 0; h < 2; ++h) {
           const __m256i dot = step_dot(load_codes8(wb, c, h), P.xlo + row * (P.K / 2) + 4 * c);
           acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), unit, acc[m][h]);
         }

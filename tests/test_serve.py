@@ -118,14 +118,25 @@ def test_served_argmax_matches_the_pytorch_reference(engine, request, reference_
 
 
 def test_prompt_alone_and_in_a_batch_agree(quant_llm):
+    """Same greedy tokens alone and in a batch, up to a near-tie. Decode rows get the same bits
+    in any batch, but the batch's prefill (over 63 rows) takes the dense fp32 path and the lone
+    prompt the kernel: both exact products, summed in different orders, so bf16 activations can
+    differ by an ulp. On the AVX2 EPYC, after this module's long prompts, that flipped token 13
+    of 16, where the lone run's top two were 0.125 apart (one bf16 step at that logit): the
+    tokens before a split must match and the split must be such a tie."""
     from vllm import SamplingParams
 
-    params = SamplingParams(**GREEDY16)
-    alone = quant_llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+    params = SamplingParams(**GREEDY16, logprobs=2)
+    alone = quant_llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
     batch = quant_llm.generate(PROMPTS, params, use_tqdm=False)
     assert len({len(p) for p in PROMPTS}) == len(PROMPTS)
-    assert list(batch[0].outputs[0].token_ids) == list(alone)
     assert all(len(o.outputs[0].token_ids) == 16 for o in batch)
+    together = list(batch[0].outputs[0].token_ids)
+    split = next((i for i, (a, b) in enumerate(zip(alone.token_ids, together, strict=True)) if a != b), None)
+    if split is not None:
+        top_two = sorted((lp.logprob for lp in alone.logprobs[split].values()), reverse=True)[:2]
+        print(f"\nalone and in a batch split at token {split}: top two {top_two}")
+        assert split >= 8 and top_two[0] - top_two[1] < 0.25
 
 
 def test_no_second_packed_copy_and_tied_head_shares_the_table(quant_llm):

@@ -89,6 +89,11 @@ def nice_values(model: torch.nn.Module) -> tuple[int, int]:
     return os.getpriority(os.PRIO_PROCESS, 0), os.getpriority(os.PRIO_PROCESS, os.getppid())
 
 
+def openmp_spin(model: torch.nn.Module) -> str | None:
+    """$GOMP_SPINCOUNT in the worker holding `model` (for apply_model)."""
+    return os.environ.get("GOMP_SPINCOUNT")
+
+
 def compute_paths(model: torch.nn.Module) -> dict:
     """What the int4 layers of `model` run on in its worker: the kernel path and whether large
     prefills multiply in bf16."""

@@ -1,7 +1,8 @@
 """Decode, prefill, memory and engine start: vLLM bf16 vs cpu_int4 vs llama.cpp, cpu_int4 at
 TP=1 vs TP=2, cpu_int4 under different thread settings, or a mixture-of-experts model.
 
-    .venv/bin/python bench/serve.py [--rounds 3] [--layers 4] [--compare int4|tp|threads|moe|nice]
+    .venv/bin/python bench/serve.py [--rounds 3] [--layers 4]
+                                       [--compare int4|spin|tp|threads|moe|nice]
                                        [--compiled]
 
 The model: 4 Llama-2-7B-shaped layers (hidden 4096, MLP 11008, vocab 49152, untied head),
@@ -14,6 +15,8 @@ serving processes after load, and the bytes the model's parameters hold. Prints 
 their spread (min-max), the ratios to the first run, the thread settings and the CPU.
 `--compare int4` also runs the cpu_int4 model on the AVX2 kernel path (CPU_INT4_ISA=avx2), on
 hosts whose own path is wider.
+`--compare spin` serves the cpu_int4 model as the plugin sets libgomp's spin (openmp_spin.py),
+at libgomp's own default, and with CPU_INT4_ENGINE_NICE=19 too.
 `--compare tp` serves it on one rank and on two (vLLM's `mp` executor), each rank bound to its
 own core (VLLM_CPU_OMP_THREADS_BIND=0|1). `--compare threads` is the study in docs/runtime.md.
 `--compare moe` serves 4 Qwen3-30B-A3B-shaped layers instead (hidden 2048, 128 experts of width
@@ -39,6 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_int4_vllm import native  # noqa: E402
 from cpu_int4_vllm.engine_priority import ENV as ENGINE_NICE  # noqa: E402
+from cpu_int4_vllm.openmp_spin import ENV as OPENMP_SPIN  # noqa: E402
 from kernel import cpu_description  # noqa: E402
 from synthetic import build_synthetic, build_synthetic_moe  # noqa: E402
 
@@ -77,6 +81,11 @@ COMPARISONS = {
         "vLLM cpu_int4": Run("int4"),
         "cpu_int4, AVX2 path": Run("int4", env=(("CPU_INT4_ISA", "avx2"),)),
         **LLAMA_CPP,
+    },
+    "spin": {
+        "vLLM cpu_int4": Run("int4"),
+        "cpu_int4, libgomp's default spin": Run("int4", env=((OPENMP_SPIN, "300000"),)),
+        "cpu_int4, engine nice 19": Run("int4", env=((ENGINE_NICE, "19"),)),
     },
     "tp": {"cpu_int4 TP=1": Run("int4"), "cpu_int4 TP=2": Run("int4", tp=2, bind="0|1")},
     "threads": {

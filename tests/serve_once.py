@@ -1,7 +1,8 @@
 """Serve a checkpoint once at a tensor- and pipeline-parallel size and print what it computed:
 the top-1 token at every prompt position of a token list, greedy continuations of prompts in
-one batch, and the nice values of each worker and of the engine core; with `alone`, each
-prompt by itself too, and what the int4 modules hold in memory.
+one batch, the nice values of each worker and of the engine core, and each worker's
+$GOMP_SPINCOUNT; with `alone`, each prompt by itself too, and what the int4 modules hold in
+memory.
 Eager, unless `compiled` asks for vLLM's default compilation.
 
     python tests/serve_once.py MODEL TP PP IDS.json [alone] [compiled]   # prints: RESULT {...}
@@ -67,7 +68,7 @@ def result(proc: subprocess.CompletedProcess) -> dict:
 
 
 def serve(model: str, tp: int, pp: int, ids: list[int], alone: bool = False, compiled: bool = False) -> dict:
-    from report import nice_values
+    from report import nice_values, openmp_spin
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -94,6 +95,7 @@ def serve(model: str, tp: int, pp: int, ids: list[int], alone: bool = False, com
         "top1": top1,
         "greedy": _greedy(llm, PROMPTS if alone else RANK_PROMPTS),
         "nice": llm.apply_model(nice_values),
+        "spin": llm.apply_model(openmp_spin),
     }
     if alone:
         from report import int4_memory_report

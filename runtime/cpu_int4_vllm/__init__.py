@@ -9,8 +9,9 @@ _registered = False
 
 
 def register() -> None:
-    """Register the `cpu_int4` quantization config with vLLM (once per process), and lower the
-    engine core's priority where $CPU_INT4_ENGINE_NICE asks for it (engine_priority.py)."""
+    """Register the `cpu_int4` quantization config with vLLM (once per process), shorten the
+    OpenMP spin of the processes vLLM starts (openmp_spin.py), and lower the engine core's
+    priority where $CPU_INT4_ENGINE_NICE asks for it (engine_priority.py)."""
     global _registered
     if _registered:
         return
@@ -19,7 +20,9 @@ def register() -> None:
     from .config import CpuInt4Config
     from .engine_priority import lower_engine_priority
     from .format import QUANT_METHOD
+    from .openmp_spin import shorten_openmp_spin
 
     register_quantization_config(QUANT_METHOD)(CpuInt4Config)
+    shorten_openmp_spin()
     lower_engine_priority()
     _registered = True

@@ -323,16 +323,24 @@ struct Inputs {
   at::Tensor xb, xq, xsum, xw, xlo, xunit, xfix;
 };
 
+// round(m / 2^right) per lane for right >= 1: 0 from right = 9, as m < 2^8 (and a count of 32 or
+// more shifts everything out).
+AVX2 inline __m256i rounded_shift(__m256i m, __m256i right) {
+  const __m256i one = _mm256_set1_epi32(1);
+  return _mm256_srlv_epi32(_mm256_add_epi32(m, _mm256_sllv_epi32(one, _mm256_sub_epi32(right, one))), right);
+}
+
 // x [M, K] bf16 as int16 in blocks of 8 with a shared power of two, straight from the bits: a
 // value's significand m (8 bits with the implicit one) shifted to the block's largest exponent
 // E, m << 7 when the exponents match, so the largest is in [2^14, 2^15) and unit = 2^(E - 141).
 // A value more than 7 binades below E is rounded to nearest; the remainder goes to xlo, exact
 // up to 22 binades below E, rounded beyond. NaN and Inf come out finite here but reach y
-// through the group sums.
+// through the group sums. A block per iteration, a value per 32-bit lane: a value at a time took
+// 3.5 ns a value (AMD EPYC, Zen 3), ~15 us of a 4096-column decode GEMV's ~35 on one core.
 AVX2 void int16_blocks(const at::Tensor& xb, int64_t group_size, Inputs& in) {
   const int64_t M = xb.size(0), K = xb.size(1);
   in.xw = at::empty({M, K / 2}, xb.options().dtype(at::kInt));
-  in.xlo = at::zeros({M, K / 2}, xb.options().dtype(at::kInt));
+  in.xlo = at::empty({M, K / 2}, xb.options().dtype(at::kInt));
   in.xunit = at::empty({M, K / kStep}, xb.options().dtype(at::kFloat));
   in.xfix = at::zeros({M, K / group_size}, xb.options().dtype(at::kInt));
   const uint16_t* x = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
@@ -341,28 +349,35 @@ AVX2 void int16_blocks(const at::Tensor& xb, int64_t group_size, Inputs& in) {
   float* unit = in.xunit.data_ptr<float>();
   uint32_t* fix = reinterpret_cast<uint32_t*>(in.xfix.data_ptr<int32_t>());
   const int64_t steps = group_size / kStep;
+  const __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1), fifteen = _mm256_set1_epi32(15);
   for (int64_t b = 0; b < M * K / kStep; ++b) {
-    int32_t exponent[kStep], top = 1;
-    for (int i = 0; i < kStep; ++i) {
-      exponent[i] = std::max((x[kStep * b + i] >> 7) & 0xFF, 1);  // subnormals: exponent 1, no implicit one
-      top = std::max(top, exponent[i]);
-    }
-    for (int i = 0; i < kStep; ++i) {
-      const uint16_t bits = x[kStep * b + i];
-      const int32_t m = (bits & 0x7F) | ((bits & 0x7F80) != 0 ? 0x80 : 0);
-      const int32_t drop = top - exponent[i] - 7;  // bits below the block's unit
-      const auto shifted = [m](int32_t right) {  // round(m / 2^right), right >= 1
-        return right > 8 ? 0 : (m + (1 << (right - 1))) >> right;
-      };
-      const int32_t v = drop <= 0 ? m << -drop : shifted(drop);
-      const int32_t rest = drop <= 0 ? 0 : drop <= 15 ? (m << (15 - drop)) - (v << 15) : shifted(drop - 15);
-      const int32_t sign = bits & 0x8000 ? -1 : 1;
-      w[kStep * b + i] = static_cast<int16_t>(sign * v);
-      lo[kStep * b + i] = static_cast<int16_t>(sign * rest);
-      if (rest != 0) fix[b / steps] |= 1u << (b % steps);  // b / steps: row * G + group
-    }
+    const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + kStep * b)));
+    // Subnormals: exponent 1, no implicit one.
+    const __m256i exponent = _mm256_max_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, 7), _mm256_set1_epi32(0xFF)), one);
+    __m256i top = _mm256_max_epi32(exponent, _mm256_permute2x128_si256(exponent, exponent, 1));
+    top = _mm256_max_epi32(top, _mm256_shuffle_epi32(top, _MM_SHUFFLE(1, 0, 3, 2)));
+    top = _mm256_max_epi32(top, _mm256_shuffle_epi32(top, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m256i normal = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7F80)), zero);
+    const __m256i m = _mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32(0x7F)),
+                                      _mm256_and_si256(normal, _mm256_set1_epi32(0x80)));
+    const __m256i drop = _mm256_sub_epi32(_mm256_sub_epi32(top, exponent), _mm256_set1_epi32(7));  // bits below the unit
+    const __m256i exact = _mm256_cmpgt_epi32(one, drop);  // drop <= 0: m << -drop, nothing left over
+    __m256i v = _mm256_blendv_epi8(rounded_shift(m, drop), _mm256_sllv_epi32(m, _mm256_sub_epi32(zero, drop)), exact);
+    // What rounding left: exact to 15 bits below the unit, rounded beyond.
+    const __m256i near = _mm256_sub_epi32(_mm256_sllv_epi32(m, _mm256_sub_epi32(fifteen, drop)), _mm256_slli_epi32(v, 15));
+    const __m256i far = rounded_shift(m, _mm256_sub_epi32(drop, fifteen));
+    __m256i rest = _mm256_andnot_si256(exact, _mm256_blendv_epi8(near, far, _mm256_cmpgt_epi32(drop, fifteen)));
+    const __m256i negative = _mm256_srai_epi32(_mm256_slli_epi32(bits, 16), 31);
+    v = _mm256_sub_epi32(_mm256_xor_si256(v, negative), negative);
+    rest = _mm256_sub_epi32(_mm256_xor_si256(rest, negative), negative);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(w + kStep * b),
+                     _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + kStep * b),
+                     _mm_packs_epi32(_mm256_castsi256_si128(rest), _mm256_extracti128_si256(rest, 1)));
+    if (!_mm256_testz_si256(rest, rest)) fix[b / steps] |= 1u << (b % steps);  // b / steps: row * G + group
     // 2^(top - 141): a normal float from top = 15, a subnormal below.
-    const uint32_t unit_bits = top >= 15 ? static_cast<uint32_t>(top - 14) << 23 : 1u << (top + 8);
+    const int32_t t = _mm256_cvtsi256_si32(top);
+    const uint32_t unit_bits = t >= 15 ? static_cast<uint32_t>(t - 14) << 23 : 1u << (t + 8);
     std::memcpy(unit + b, &unit_bits, sizeof(float));
   }
 }

@@ -21,6 +21,7 @@ from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightSc
 from vllm.model_executor.utils import set_weight_attrs
 
 from . import native
+from .config import through_op
 from .format import PACKED_SUFFIX, QUANTIZED_SUFFIXES, quantized_tensors, shape_problem
 from .linear import backend
 
@@ -95,7 +96,7 @@ class CpuInt4MoEMethod(FusedMoEMethodBase):
         shared_experts_input,
     ) -> torch.Tensor:
         # Shared experts, where the model has them, are run by vLLM's MoE runner.
-        forward = experts_op if self.config.use_custom_op else experts_forward
+        forward = experts_op if through_op(self.config) else experts_forward
         return forward(x, topk_weights, topk_ids, layer.layer_name)
 
 

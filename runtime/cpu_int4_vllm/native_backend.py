@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import native
+from .config import through_op
 from .dense import dense_dtype
 from .native_layout import BLOCK_ROWS, pack_native
 
@@ -29,8 +30,8 @@ def prepare(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, confi
 
 
 def linear(x: torch.Tensor, layer, config) -> torch.Tensor:
-    """x @ W.T for bf16 x through the kernel's custom op (or the plain function)."""
-    fn = native_linear_op if config.use_custom_op else native_linear
+    """x @ W.T for bf16 x: the plain function, or its custom op while torch.compile traces."""
+    fn = native_linear_op if through_op(config) else native_linear
     return fn(x, layer.int4_packed, layer.scales_and_zeros, config.group_size)
 
 

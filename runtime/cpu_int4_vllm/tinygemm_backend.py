@@ -12,6 +12,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from .config import through_op
 from .dense import dense_dtype
 from .format import ZERO_CODE, dequantize, unpack_nibbles
 from .tinygemm_layout import learn_layout, pack_for_kernel, unpack_kernel_codes, unpack_kernel_codes_t
@@ -32,8 +33,8 @@ def prepare(
 
 
 def linear(x: torch.Tensor, layer, config) -> torch.Tensor:
-    """x @ W.T for bf16 x through the kernel's custom op (or the plain function)."""
-    fn = int4_linear_op if config.use_custom_op else int4_linear
+    """x @ W.T for bf16 x: the plain function, or its custom op while torch.compile traces."""
+    fn = int4_linear_op if through_op(config) else int4_linear
     return fn(
         x,
         layer.int4_packed,

@@ -42,6 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_int4_vllm import native  # noqa: E402
 from cpu_int4_vllm.engine_priority import ENV as ENGINE_NICE  # noqa: E402
+from cpu_int4_vllm.engine_wait import ENV as ENGINE_WAIT  # noqa: E402
 from cpu_int4_vllm.openmp_spin import ENV as OPENMP_SPIN  # noqa: E402
 from kernel import cpu_description  # noqa: E402
 from synthetic import build_synthetic, build_synthetic_moe  # noqa: E402
@@ -86,6 +87,7 @@ COMPARISONS = {
         "vLLM cpu_int4": Run("int4"),
         "cpu_int4, libgomp's default spin": Run("int4", env=((OPENMP_SPIN, "300000"),)),
         "cpu_int4, engine nice 19": Run("int4", env=((ENGINE_NICE, "19"),)),
+        "cpu_int4, vLLM's engine spin": Run("int4", env=((ENGINE_WAIT, "spin"),)),
     },
     "tp": {"cpu_int4 TP=1": Run("int4"), "cpu_int4 TP=2": Run("int4", tp=2, bind="0|1")},
     "threads": {

@@ -1,18 +1,26 @@
 """How the engine's processes share the cores (runtime/cpu_int4_vllm/engine_priority.py,
-openmp_spin.py): a real engine's core runs at the nice value asked for while its worker keeps its
-own; the workers inherit the short OpenMP spin unless the environment sets one; nothing changes
-outside a worker; a bad nice value stops in one line."""
+openmp_spin.py, engine_wait.py): a real engine's core runs at the nice value asked for while its
+worker keeps its own; the workers inherit the short OpenMP spin unless the environment sets one;
+nothing changes outside a worker; the engine core's queue readers sleep until a reply is due and
+block when idle, as vLLM's do, while the workers' keep vLLM's wait; bad values stop in one
+line."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 
 import pytest
+import zmq
 from cpu_int4_vllm.engine_priority import ENV, lower_engine_priority
+from cpu_int4_vllm.engine_wait import ENV as WAIT_ENV
+from cpu_int4_vllm.engine_wait import SLEEP_S, sleep_through_steps
 from cpu_int4_vllm.openmp_spin import ENV as SPIN_ENV
 from cpu_int4_vllm.openmp_spin import SPINS, shorten_openmp_spin
 from serve_once import launch, result
+from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+from vllm.utils.network_utils import get_open_zmq_ipc_path
 
 
 @pytest.mark.vllm
@@ -53,3 +61,61 @@ def test_a_bad_value_stops_in_one_line(monkeypatch, value):
     monkeypatch.setattr(multiprocessing.current_process(), "name", "VllmWorker-0")
     with pytest.raises(ValueError, match=f"^{ENV}='{value}': expected a nice value from 1 to 19$"):
         lower_engine_priority()
+
+
+@pytest.fixture
+def engine_core_readers(monkeypatch):
+    """sleep_through_steps() as the engine core runs it; SpinCondition restored afterwards."""
+    monkeypatch.setattr(SpinCondition, "__init__", SpinCondition.__init__)
+    monkeypatch.delenv(WAIT_ENV, raising=False)
+    monkeypatch.setattr(multiprocessing.current_process(), "name", "EngineCore")
+    sleep_through_steps()
+    context = zmq.Context()
+    yield lambda: SpinCondition(is_reader=True, context=context, notify_address=get_open_zmq_ipc_path())
+    context.destroy(linger=0)
+
+
+def test_the_engine_core_sleeps_until_a_reply_is_due_then_spins(engine_core_readers):
+    reader = engine_core_readers()
+    reader.record_read()
+    reader.record_read()
+    assert reader.read_s[0] < 0.1
+    reader.read_s = (0.5, 0.0)  # the read two back took half a second: the reply is not due
+    begin = time.monotonic()
+    reader.wait()
+    slept = time.monotonic() - begin
+    assert SLEEP_S * 0.9 <= slept < 0.1  # one short sleep, then the caller checks the queue again
+    reader.read_s = (0.0, 0.0)  # due at once: vLLM's yield, no sleep
+    begin = time.monotonic()
+    for _ in range(100):
+        reader.wait()
+    assert time.monotonic() - begin < 100 * SLEEP_S
+
+
+def test_an_idle_engine_core_blocks_as_vllm_does(engine_core_readers):
+    reader = engine_core_readers()
+    reader.last_read -= 2 * reader.busy_loop_s
+    begin = time.monotonic()
+    reader.wait(timeout_ms=200)  # nothing is written: vLLM's poll waits out its timeout
+    assert time.monotonic() - begin >= 0.15
+
+
+def test_workers_keep_vllms_wait(engine_core_readers, monkeypatch):
+    assert "wait" in vars(engine_core_readers())
+    monkeypatch.setattr(multiprocessing.current_process(), "name", "VllmWorker-0")
+    assert "wait" not in vars(engine_core_readers())
+
+
+def test_spin_keeps_vllms_wait_in_the_engine_core_too(monkeypatch):
+    monkeypatch.setattr(SpinCondition, "__init__", SpinCondition.__init__)
+    monkeypatch.setenv(WAIT_ENV, "spin")
+    monkeypatch.setattr(multiprocessing.current_process(), "name", "EngineCore")
+    before = SpinCondition.__init__
+    sleep_through_steps()
+    assert SpinCondition.__init__ is before
+
+
+def test_a_bad_wait_stops_in_one_line(monkeypatch):
+    monkeypatch.setenv(WAIT_ENV, "nap")
+    with pytest.raises(ValueError, match=f"^{WAIT_ENV}='nap': expected 'sleep' or 'spin'$"):
+        sleep_through_steps()

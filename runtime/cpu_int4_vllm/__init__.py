@@ -10,8 +10,9 @@ _registered = False
 
 def register() -> None:
     """Register the `cpu_int4` quantization config with vLLM (once per process), shorten the
-    OpenMP spin of the processes vLLM starts (openmp_spin.py), and lower the engine core's
-    priority where $CPU_INT4_ENGINE_NICE asks for it (engine_priority.py)."""
+    OpenMP spin of the processes vLLM starts (openmp_spin.py), have the engine core sleep while
+    it waits for the workers (engine_wait.py), and lower its priority where
+    $CPU_INT4_ENGINE_NICE asks for it (engine_priority.py)."""
     global _registered
     if _registered:
         return
@@ -19,10 +20,12 @@ def register() -> None:
 
     from .config import CpuInt4Config
     from .engine_priority import lower_engine_priority
+    from .engine_wait import sleep_through_steps
     from .format import QUANT_METHOD
     from .openmp_spin import shorten_openmp_spin
 
     register_quantization_config(QUANT_METHOD)(CpuInt4Config)
     shorten_openmp_spin()
     lower_engine_priority()
+    sleep_through_steps()
     _registered = True

@@ -16,7 +16,8 @@ their spread (min-max), the ratios to the first run, the thread settings and the
 `--compare int4` also runs the cpu_int4 model on the AVX2 kernel path (CPU_INT4_ISA=avx2), on
 hosts whose own path is wider.
 `--compare spin` serves the cpu_int4 model as the plugin sets libgomp's spin (openmp_spin.py),
-at libgomp's own default, and with CPU_INT4_ENGINE_NICE=19 too.
+at libgomp's own default, with CPU_INT4_ENGINE_NICE=19 too, and with vLLM's spinning wait in the
+engine core (CPU_INT4_ENGINE_WAIT=spin, engine_wait.py).
 `--compare tp` serves it on one rank and on two (vLLM's `mp` executor), each rank bound to its
 own core (VLLM_CPU_OMP_THREADS_BIND=0|1). `--compare threads` is the study in docs/runtime.md.
 `--compare moe` serves 4 Qwen3-30B-A3B-shaped layers instead (hidden 2048, 128 experts of width

@@ -25,7 +25,7 @@ import types
 
 ENV = "CPU_INT4_ENGINE_WAIT"
 SLEEP_S = 1e-3  # the longest sleep: what a reply can wait when a step is shorter than the last
-SPIN_FROM = 0.9  # of the previous read-to-read time
+SPIN_FROM = 0.9  # of the time the same read took one step before
 
 
 def is_engine_core() -> bool:

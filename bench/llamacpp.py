@@ -44,11 +44,14 @@ def converted(bf16_dir: Path, tokenizer_dir: Path, out: Path) -> Path:
         for name in ("tokenizer.json", "tokenizer_config.json"):
             (model / name).symlink_to((tokenizer_dir / name).resolve())
         staged = out.with_suffix(".partial")
-        subprocess.run(
+        done = subprocess.run(
             [sys.executable, str(CONVERTER), str(model), "--outtype", "bf16", "--outfile", str(staged)],
-            check=True,
             capture_output=True,
+            text=True,
         )
+        if done.returncode != 0:
+            staged.unlink(missing_ok=True)
+            raise SystemExit(f"GGUF conversion of {bf16_dir} failed:\n{done.stderr[-3000:]}")
         os.replace(staged, out)
     return out
 

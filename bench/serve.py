@@ -41,18 +41,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from cpu_int4_vllm import native  # noqa: E402
 from cpu_int4_vllm.engine_priority import ENV as ENGINE_NICE  # noqa: E402
 from cpu_int4_vllm.engine_wait import ENV as ENGINE_WAIT  # noqa: E402
 from cpu_int4_vllm.openmp_spin import ENV as OPENMP_SPIN  # noqa: E402
 from kernel import cpu_description  # noqa: E402
+from smollm2 import build_demo_model  # noqa: E402
 from synthetic import build_synthetic, build_synthetic_moe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache"
 BENCH_PYTHON = ROOT / ".bench-venv" / "bin" / "python"  # `make bench-deps`
-# The synthetic model has SmolLM2's vocabulary size; llama.cpp's converter needs a tokenizer.
-TOKENIZER = CACHE / "smollm2-135m-instruct-bf16"
 DECODE_TOKENS = 128
 PREFILL_TOKENS = 512
 WORKER_TIMEOUT_S = 900
@@ -172,7 +172,9 @@ def run_worker(model: Path, run: Run, compiled: bool) -> dict:
     if run.checkpoint not in ("bf16", "int4"):
         script = Path(__file__).with_name("llamacpp.py")
         threads = str(os.cpu_count())
-        return result_of([str(BENCH_PYTHON), str(script), str(model), str(TOKENIZER), run.checkpoint,
+        # The synthetic model has SmolLM2's vocabulary size; llama.cpp's converter needs a tokenizer.
+        tokenizer = build_demo_model()
+        return result_of([str(BENCH_PYTHON), str(script), str(model), str(tokenizer), run.checkpoint,
                           "--threads", threads], dict(os.environ), model)  # fmt: skip
     env = {
         **os.environ,

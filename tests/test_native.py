@@ -128,6 +128,35 @@ def test_linear_paths_agree_across_the_row_threshold(n):
     assert native_linear(x, lanes, sz, 64).shape == (2, 300, n)
 
 
+HOST_HAS_AMX = native.Isa.AVX512_BF16 in HOST_ISAS and torch.cpu._is_amx_tile_supported()
+
+
+# 37 rows: a partial pair of row tiles; 19 blocks: a partial panel and an odd block; K = 1088:
+# two whole 512-k chunks and a short one.
+@pytest.mark.parametrize(("m", "n", "k", "g"), [(37, 304, 1088, 64), (300, 576, 512, 32), (64, 16, 256, 256)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_kernel_is_the_bf16_gemm_of_the_dequantized_weights(m, n, k, g, dtype):
+    packed, scale, zero = quantized(n, k, g)
+    lanes, sz = pack_native(packed, scale, zero)
+    x = torch.randn(m, k).bfloat16()
+    out = torch.empty(m, n, dtype=dtype)
+    if not HOST_HAS_AMX:
+        with pytest.raises(RuntimeError, match="no AMX-BF16"):
+            torch.ops.cpu_int4_native.amx_linear(x, lanes, sz, g, out)
+        return
+    torch.ops.cpu_int4_native.amx_linear(x, lanes, sz, g, out)
+    # bf16 products, fp32 sums: what vLLM's bf16 GEMM computes on the same bf16 weights.
+    weights = dequantize(packed, scale, zero, g, torch.float32).bfloat16()
+    assert snr_db(x.double() @ weights.double().t(), out) > (100 if dtype == torch.float32 else 45)
+
+
+def test_the_amx_kernel_can_be_turned_off():
+    code = "from cpu_int4_vllm import native; print('AMX', native.amx())"
+    assert "AMX False" in run_load(code, CPU_INT4_AMX="0").stdout
+    assert "AMX False" in run_load(code, CPU_INT4_ISA="avx2").stdout
+    assert f"AMX {HOST_HAS_AMX}" in run_load(code, CPU_INT4_AMX="1").stdout
+
+
 LOAD = "from cpu_int4_vllm import native; print('ISA', native.isa())"
 
 
@@ -184,9 +213,9 @@ def test_the_gemv_threads_give_the_same_bits(isa):
     assert all(torch.equal(out, outputs[0]) for out in outputs)
 
 
-def run_load(**env: str) -> subprocess.CompletedProcess:
+def run_load(code: str = LOAD, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", LOAD], env={**os.environ, **env}, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, check=True
     )
 
 

@@ -39,14 +39,14 @@ def native_linear(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group
     """y = x @ W.T for bf16 x [..., K] on the native layout (native_layout.py).
 
     Fewer than MAX_KERNEL_ROWS rows take the kernel (no AMX, so multi-row calls are safe);
-    more dequantize W^T a slice of columns at a time and use the dense GEMM on each.
+    more take _many_rows_gemm.
     """
     rows = x.reshape(-1, x.shape[-1])
     isa = native.isa()
     if rows.shape[0] < MAX_KERNEL_ROWS:
         out = torch.ops.cpu_int4_native.gemv(rows, packed, sz, group_size, isa).to(rows.dtype)
     else:
-        out = _dequantized_gemm(rows, packed, sz, group_size, isa)
+        out = _many_rows_gemm(rows, packed, sz, group_size, isa)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -54,18 +54,18 @@ def grouped_linear(x: torch.Tensor, experts, groups: list[tuple[int, int, int]],
     """Rows of bf16 x [M, K] times their expert's W^T, fp32 [M, N]: for each (expert, start,
     count) of `groups`, rows [start, start + count). `experts` holds all experts' kernel tensors
     stacked [E, ...]. Groups of fewer than MAX_KERNEL_ROWS rows go to the kernel together, in
-    one call; larger ones dequantize their expert for the dense GEMM."""
+    one call; larger ones go through _many_rows_gemm."""
     packed, sz, isa = experts.int4_packed, experts.scales_and_zeros, native.isa()
     small = torch.tensor([g for g in groups if g[2] < MAX_KERNEL_ROWS], dtype=torch.long).view(-1, 3)
     out = torch.ops.cpu_int4_native.gemv_experts(x, packed, sz, small, config.group_size, isa)
     for expert, start, count in groups:
         if count >= MAX_KERNEL_ROWS:
             rows = slice(start, start + count)
-            _dequantized_gemm(x[rows], packed[expert], sz[expert], config.group_size, isa, out[rows])
+            _many_rows_gemm(x[rows], packed[expert], sz[expert], config.group_size, isa, out[rows])
     return out
 
 
-def _dequantized_gemm(
+def _many_rows_gemm(
     rows: torch.Tensor,
     packed: torch.Tensor,
     sz: torch.Tensor,
@@ -73,15 +73,20 @@ def _dequantized_gemm(
     isa: int,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """rows @ W^T (into `out` if given, else a new tensor of the rows' dtype), W^T dequantized
-    DEQUANT_SLICE_BLOCKS * 16 columns at a time into one reused buffer. On 2 cores (512 rows x
-    4096 x 4096) this took 10.7 ms against 20.9 ms for the whole W^T in fresh memory
-    (first-touch page faults, then a second trip through DRAM); bf16 F.linear took 9.5 ms."""
+    """rows @ W^T (into `out` if given, else a new tensor of the rows' dtype) in the dense
+    path's dtype (dense.py). bf16 on an AMX host runs the fused AMX kernel (native.amx);
+    otherwise W^T is dequantized DEQUANT_SLICE_BLOCKS * 16 columns at a time into one reused
+    buffer for the dense GEMM. On 2 cores (512 rows x 4096 x 4096) the slices took 10.7 ms
+    against 20.9 ms for the whole W^T in fresh memory (first-touch page faults, then a second
+    trip through DRAM); bf16 F.linear took 9.5 ms."""
     dtype = dense_dtype(rows.shape[0])
+    if out is None:
+        out = rows.new_empty(rows.shape[0], packed.shape[0] * BLOCK_ROWS)
+    if dtype == torch.bfloat16 and native.amx():
+        torch.ops.cpu_int4_native.amx_linear(rows.to(dtype), packed, sz, group_size, out)
+        return out
     k, blocks = rows.shape[1], packed.shape[0]
     x = rows.to(dtype)
-    if out is None:
-        out = rows.new_empty(rows.shape[0], blocks * BLOCK_ROWS)
     buffer = _workspace(dtype, k * min(blocks, DEQUANT_SLICE_BLOCKS) * BLOCK_ROWS)
     for start in range(0, blocks, DEQUANT_SLICE_BLOCKS):
         stop = min(blocks, start + DEQUANT_SLICE_BLOCKS)

@@ -14,7 +14,8 @@ prefill, taken out). Prefill: a 512-token prompt, time to its first token. Memor
 serving processes after load, and the bytes the model's parameters hold. Prints medians with
 their spread (min-max), the ratios to the first run, the thread settings and the CPU.
 `--compare int4` also runs the cpu_int4 model on the AVX2 kernel path (CPU_INT4_ISA=avx2), on
-hosts whose own path is wider.
+hosts whose own path is wider, and on AMX hosts without the AMX kernel (CPU_INT4_AMX=0: large
+batches through a dequantized W^T and oneDNN instead).
 `--compare spin` serves the cpu_int4 model as the plugin sets libgomp's spin (openmp_spin.py),
 at libgomp's own default, with CPU_INT4_ENGINE_NICE=19 too, and with vLLM's spinning wait in the
 engine core (CPU_INT4_ENGINE_WAIT=spin, engine_wait.py).
@@ -45,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from cpu_int4_vllm import native  # noqa: E402
 from cpu_int4_vllm.engine_priority import ENV as ENGINE_NICE  # noqa: E402
 from cpu_int4_vllm.engine_wait import ENV as ENGINE_WAIT  # noqa: E402
+from cpu_int4_vllm.native import AMX_ENV as AMX  # noqa: E402
 from cpu_int4_vllm.openmp_spin import ENV as OPENMP_SPIN  # noqa: E402
 from kernel import cpu_description  # noqa: E402
 from smollm2 import build_demo_model  # noqa: E402
@@ -82,6 +84,7 @@ COMPARISONS = {
         "vLLM bf16": Run("bf16"),
         "vLLM cpu_int4": Run("int4"),
         "cpu_int4, AVX2 path": Run("int4", env=(("CPU_INT4_ISA", "avx2"),)),
+        "cpu_int4, no AMX kernel": Run("int4", env=((AMX, "0"),)),
         **LLAMA_CPP,
     },
     "spin": {
@@ -267,6 +270,8 @@ def main() -> None:
     if native.supported_isas() == [native.Isa.AVX2]:
         runs = {name: run for name, run in runs.items() if ("CPU_INT4_ISA", "avx2") not in run.env}
         print("this host's own kernel path is AVX2: no separate AVX2 column", file=sys.stderr)
+    if not native.amx():
+        runs = {name: run for name, run in runs.items() if (AMX, "0") not in run.env}
     results: dict[str, list[dict]] = {name: [] for name in runs}
     for round_ in range(args.rounds):
         order = list(runs) if round_ % 2 == 0 else list(reversed(runs))

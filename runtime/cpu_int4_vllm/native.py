@@ -26,6 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("int4_kernels.cpp")
+AMX_ENV = "CPU_INT4_AMX"  # "0": large batches through a dequantized W^T and oneDNN, not amx_linear
 
 
 class Isa(enum.IntEnum):
@@ -171,7 +172,7 @@ def amx() -> bool:
     512 rows x 11008 x 4096 on 2 Sapphire Rapids cores: 24-27 ms, against 30-33 ms through a
     dequantized W^T and 22-25 ms for vLLM's oneDNN GEMM on prepacked bf16 weights.
     """
-    if os.environ.get("CPU_INT4_AMX", "1") == "0":
+    if os.environ.get(AMX_ENV, "1") == "0":
         return False
     return isa() == Isa.AVX512_BF16 and torch.cpu._is_amx_tile_supported()
 

@@ -651,6 +651,9 @@ AMX_BF16 void dequant_tiles(const Dequant& D, int64_t blk, int64_t k0, int64_t k
       s = load_bf16x16(szg);
       offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, load_bf16x16(szg + kBlock));
     }
+    // The next block's line: a block's 512 k are one 4 KiB page, which the hardware prefetcher
+    // does not cross (dequantizing 11008 x 4096 on 2 cores: 4.4 ms without, 3.5 with).
+    _mm_prefetch(reinterpret_cast<const char*>(wb + D.K / kStep * kBlock + c * kBlock), _MM_HINT_T0);
     const __m512i codes = _mm512_loadu_si512(wb + c * kBlock);
     for (int t = 0; t < 4; ++t) {
       const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(codes, 4 * t), low4));

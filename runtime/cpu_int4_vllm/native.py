@@ -169,8 +169,9 @@ def amx() -> bool:
     dequantizes into tiles kept in L2 instead of a W^T for oneDNN: where the AVX-512 BF16 path
     runs on a CPU with AMX-BF16, unless CPU_INT4_AMX=0.
 
-    512 rows x 11008 x 4096 on 2 Sapphire Rapids cores: 24-27 ms, against 30-33 ms through a
-    dequantized W^T and 22-25 ms for vLLM's oneDNN GEMM on prepacked bf16 weights.
+    512 rows x 11008 x 4096 on 2 Sapphire Rapids cores: ~20-22 ms, against 28-33 ms through a
+    dequantized W^T and 22-25 ms for vLLM's oneDNN GEMM on prepacked bf16 weights
+    (bench/prefill.py).
     """
     if os.environ.get(AMX_ENV, "1") == "0":
         return False

@@ -58,7 +58,6 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    native.request_amx()
     has_amx = native.amx()
     print("| N x K | vLLM bf16 (oneDNN, prepacked) | cpu_int4 | cpu_int4, no AMX kernel | int4 / bf16 time |")
     print("|---|---|---|---|---|")

@@ -129,6 +129,7 @@ def test_linear_paths_agree_across_the_row_threshold(n):
 
 
 HOST_HAS_AMX = native.Isa.AVX512_BF16 in HOST_ISAS and torch.cpu._is_amx_tile_supported()
+native.request_amx()  # the AMX kernel's tile state, as the plugin asks for it at load
 
 
 # 37 rows: a partial pair of row tiles; 19 blocks: a partial panel and an odd block; K = 1088:

@@ -37,8 +37,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -615,9 +613,6 @@ constexpr int64_t kRowChunk = 512;        // rows of fp32 sums a thread holds fo
 // (512 rows x 11008 x 4096 on 2 cores: 27.3 ms without, 24.1 with 2 ahead, 25.2 with 1).
 constexpr int64_t kAhead = 2;
 
-constexpr int kArchReqXcompPerm = 0x1023;  // arch_prctl request, <asm/prctl.h>
-constexpr int kXfeatureXtiledata = 18;
-
 struct TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -758,14 +753,12 @@ at::Tensor pack_row_tiles(const at::Tensor& x, int64_t padded) {
 }
 
 // out [M, N] (fp32 or bf16, contiguous) = x [M, K] bf16 @ W^T, on AMX; the GEMV's threads.
+// The process must have asked Linux for AMX tile state first (native.request_amx).
 void int4_amx_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t group_size,
                      at::Tensor& out) {
   check_weights(packed, sz, group_size);
   TORCH_CHECK(__builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("avx512bf16"),
               "cpu_int4 native: this CPU has no AMX-BF16 instructions");
-  // Linux hands out AMX tile state only on request; without it the first tile load is SIGILL.
-  static const bool permitted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  TORCH_CHECK(permitted, "cpu_int4 native: Linux refused AMX tile state to this process");
   const int64_t blocks = packed.size(0), K = packed.size(1) * kStep, N = blocks * kBlock, M = x.size(0);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16,
               "cpu_int4 native: x must be bf16 [M, ", K, "]");

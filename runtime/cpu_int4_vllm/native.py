@@ -173,9 +173,10 @@ def amx() -> bool:
     dequantized W^T and 22-25 ms for vLLM's oneDNN GEMM on prepacked bf16 weights
     (bench/prefill.py).
     """
-    if os.environ.get(AMX_ENV, "1") == "0":
+    if os.environ.get(AMX_ENV, "1") == "0" or isa() != Isa.AVX512_BF16:
         return False
-    return isa() == Isa.AVX512_BF16 and torch.cpu._is_amx_tile_supported()
+    request_amx()
+    return torch.cpu._is_amx_tile_supported()
 
 
 def gemv_threads() -> int:

@@ -10,25 +10,21 @@
 // sum is ever needed. Per group and row: y += s * sum(x*q) + (z - 8s) * sum(x), which is
 // w = (q - 8) * s + z (docs/format.md) with the zero folded out of the inner loop.
 //
-// The slot order puts codes k and k+1 in bits 4t and 16+4t, so one shift and one mask give
-// a lane with two codes 16 bits apart: exactly the bf16 pair AVX-512 BF16's dot product takes
-// (3 instructions per 32 weights; converting bytes to floats took 7 and ran out of compute
-// at ~10 GB/s on 2 cores, half of what the memory gives).
+// The slot order puts codes k and k+1 in bits 4t and 16+4t, so one shift and one mask give a
+// lane with the two codes as its two int16 halves. They meet x as int16: x is cut into blocks
+// of 8 that share a power of two, each value an integer below 2^15, so one vpmaddwd gives
+// q[k] x[k] + q[k+1] x[k+1] per lane exactly in int32, four of them sum a step's 8 codes, and
+// one convert and one FMA per step apply the power of two. bf16 holds 8 significant bits, so
+// every value within 2^7 of its block's largest is exact; what smaller ones lose is kept as a
+// second int16 block 2^15 finer, which the kernel adds for just the steps that have one (6% of
+// blocks of Gaussian x, 28% of silu(g) * u): products exact to 2^-30 of the block's largest.
+// Every path runs this, on 8 lanes (AVX2) or 16 (AVX-512), so all give the same bits.
 //
-// On AVX2 the same pair of codes meets x as int16: x is cut into blocks of 8 that share a power
-// of two, each value an integer below 2^15, so one vpmaddwd gives q[k] x[k] + q[k+1] x[k+1] per
-// lane exactly in int32, four of them sum a step's 8 codes, and one convert and one FMA per step
-// apply the power of two. bf16 holds 8 significant bits, so every value within 2^7 of its
-// block's largest is exact; what smaller ones lose is kept as a second int16 block 2^15 finer,
-// which the kernel adds for just the steps that have one (6% of blocks of Gaussian x, 28% of
-// silu(g) * u): products exact to 2^-30 of the block's largest. Masking each nibble to fp32
-// instead (a mask, a convert and an FMA per 8 weights, as AVX-512F below) computed 11.7 GB/s
-// on a Zen 3 core with the layer in cache, under the core's DRAM read; this computes 16.
-//
-// Without BF16 dot products on AVX-512F the codes become fp32 by masking each slot in place and
-// converting: (lane & 0xF << 4s) is q * 16^s, exactly, and x comes pre-scaled by 16^-s (exact
-// too, a power of two), so each 16 weights cost a mask, a convert and an FMA, and the products
-// are those of dequantize-then-GEMM in fp32.
+// Measured against the alternatives: masking each nibble to fp32 (a mask, a convert and an FMA
+// per 8 weights) computed 11.7 GB/s on a Zen 3 core with the layer in cache, under the core's
+// DRAM read; this computes 16. On Sapphire Rapids, AVX-512 BF16's dot product on (128 + q)
+// pairs takes 2 cycles per instruction against vpmaddwd's 0.5, and 16 lanes of this read
+// DRAM 5-7% faster at 1-2 rows and 20% at 4 (bench/kernel.py).
 //
 // Every row is computed with the same operations in the same order whatever M is, so a
 // sequence's logits do not depend on what else is in the batch.
@@ -49,7 +45,7 @@
 
 // Only these functions use the wider instructions; the rest of the library runs anywhere.
 #define AVX512_BF16 __attribute__((target("avx512f,avx512bf16")))
-#define AVX512 __attribute__((target("avx512f")))
+#define AVX512 __attribute__((target("avx512f,avx512bw")))
 #define AVX2 __attribute__((target("avx2,fma")))
 
 namespace {
@@ -64,14 +60,9 @@ constexpr int kMaxRowsAtOnce = 3;  // input rows sharing one unpack (see Kernel 
 // 41.6 to 26.9 ms a token on 2 cores (14 -> 22 GB/s, what bf16's GEMV streams).
 constexpr int kPrefetchSteps = 32;
 constexpr int kSlotK[kStep] = {0, 2, 4, 6, 1, 3, 5, 7};  // k offset held in nibble slot s
-// Independent sums per output vector on the AVX-512F path. Fixed, not chosen per row count, so
-// a row's additions happen in the same order alone and in a batch.
-constexpr int kFloatSums = 2;
 
 struct Problem {
-  const uint16_t* x;   // [M][K] bf16 bits
-  const float* xq;     // [M][K/8][8] x as fp32, slot order, times 16^-s (slot 7: 1, it is shifted)
-  const int32_t* xw;   // [M][K/2] x as int16, pairs (k, k+1) in the halves of an int32 (AVX2)
+  const int32_t* xw;   // [M][K/2] x as int16, pairs (k, k+1) in the halves of an int32
   const int32_t* xlo;  // [M][K/2] what xw rounded off, in units 2^15 finer
   const float* xunit;  // [M][K/8] the power of two of each block of 8: x = (xw + xlo / 2^15) * unit
   const uint32_t* xfix;  // [M][G] per group, bit i: step i has a nonzero xlo
@@ -81,59 +72,9 @@ struct Problem {
   int64_t M, K, N, G, g;
 };
 
-// ------------------------------------------------ AVX-512 BF16: codes as bf16 (128 + q), exact
-// Lane bits 0x4300 | q are the bf16 number 128 + q, so sum(x * (128 + q)) - 128 * sum(x) is
-// sum(x * q); the constant goes into the per-group offset: y += s * acc + (z - 136 s) * sum(x).
-
 AVX512 inline __m512 load_bf16x16(const uint16_t* p) {
   __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-}
-
-template <int MR>
-AVX512_BF16 void block_avx512_bf16(const Problem& P, int64_t blk, int64_t m0, float* y) {
-  const __m512i low_pair = _mm512_set1_epi32(0x000F000F);
-  const __m512i magic = _mm512_set1_epi32(0x43004300);
-  const int32_t* wb = P.packed + blk * (P.K / kStep) * kBlock;
-  const uint16_t* szb = P.sz + blk * P.G * 2 * kBlock;
-  const int64_t steps = P.g / kStep;  // even: g is 32..256
-  __m512 out[MR];
-  for (int m = 0; m < MR; ++m) out[m] = _mm512_setzero_ps();
-  for (int64_t gi = 0; gi < P.G; ++gi) {
-    // 8 independent sums per row: the dot product's ~8-cycle latency needs that many in flight.
-    __m512 acc[MR][2][4];
-    for (int m = 0; m < MR; ++m)
-      for (int a = 0; a < 2; ++a)
-        for (int t = 0; t < 4; ++t) acc[m][a][t] = _mm512_setzero_ps();
-    for (int64_t c0 = gi * steps; c0 < (gi + 1) * steps; c0 += 2) {
-      for (int a = 0; a < 2; ++a) {
-        const int64_t c = c0 + a;
-        _mm_prefetch(reinterpret_cast<const char*>(wb + (c + kPrefetchSteps) * kBlock), _MM_HINT_T0);
-        const __m512i codes = _mm512_loadu_si512(wb + c * kBlock);
-        for (int t = 0; t < 4; ++t) {
-          // (codes >> 4t) & 0x000F000F | 0x43004300 in one ternary-logic instruction.
-          const __m512i pair =
-              _mm512_ternarylogic_epi32(_mm512_srli_epi32(codes, 4 * t), low_pair, magic, 0xEA);
-          for (int m = 0; m < MR; ++m) {
-            int32_t xpair;
-            std::memcpy(&xpair, P.x + (m0 + m) * P.K + c * kStep + 2 * t, sizeof(xpair));
-            acc[m][a][t] = _mm512_dpbf16_ps(acc[m][a][t], (__m512bh)pair, (__m512bh)_mm512_set1_epi32(xpair));
-          }
-        }
-      }
-    }
-    const __m512 s = load_bf16x16(szb + gi * 2 * kBlock);
-    const __m512 z = load_bf16x16(szb + gi * 2 * kBlock + kBlock);
-    const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), s, z);
-    for (int m = 0; m < MR; ++m) {
-      __m512 sum[2];
-      for (int a = 0; a < 2; ++a)
-        sum[a] = _mm512_add_ps(_mm512_add_ps(acc[m][a][0], acc[m][a][1]), _mm512_add_ps(acc[m][a][2], acc[m][a][3]));
-      const __m512 xs = _mm512_set1_ps(P.xsum[(m0 + m) * P.G + gi]);
-      out[m] = _mm512_add_ps(out[m], _mm512_fmadd_ps(s, _mm512_add_ps(sum[0], sum[1]), _mm512_mul_ps(offset, xs)));
-    }
-  }
-  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * kBlock, out[m]);
 }
 
 // ------------------------------------------------ AVX2 + FMA: codes as int16 pairs, x as int16
@@ -209,13 +150,18 @@ AVX2 void block_avx2(const Problem& P, int64_t blk, int64_t m0, float* y) {
   }
 }
 
-// ------------------------------------------------ AVX-512F: codes as fp32
-AVX512 inline __m512 slot_avx512(__m512i codes, int s) {
-  return _mm512_cvtepi32_ps(s == kStep - 1 ? _mm512_srli_epi32(codes, 4 * s)
-                                           : _mm512_and_si512(codes, _mm512_set1_epi32(0xF << (4 * s))));
+// ------------------------------------------------ AVX-512 (F + BW): the same at 16 lanes
+AVX512 inline __m512i step_dot_avx512(__m512i codes, const int32_t* words) {
+  const __m512i low_pair = _mm512_set1_epi32(0x000F000F);
+  __m512i dot[4];
+  for (int t = 0; t < 4; ++t) {
+    const __m512i pair = _mm512_and_si512(t == 0 ? codes : _mm512_srli_epi32(codes, 4 * t), low_pair);
+    dot[t] = _mm512_madd_epi16(pair, _mm512_set1_epi32(words[t]));
+  }
+  return _mm512_add_epi32(_mm512_add_epi32(dot[0], dot[1]), _mm512_add_epi32(dot[2], dot[3]));
 }
 
-// The AVX2 routine at 16 lanes: for AVX-512 CPUs without BF16 (Skylake-SP to Ice Lake).
+// block_avx2 on whole 64-byte steps: the same operations per lane, in the same order.
 template <int MR>
 AVX512 void block_avx512(const Problem& P, int64_t blk, int64_t m0, float* y) {
   const int32_t* wb = P.packed + blk * (P.K / kStep) * kBlock;
@@ -224,18 +170,25 @@ AVX512 void block_avx512(const Problem& P, int64_t blk, int64_t m0, float* y) {
   __m512 out[MR];
   for (int m = 0; m < MR; ++m) out[m] = _mm512_setzero_ps();
   for (int64_t gi = 0; gi < P.G; ++gi) {
-    __m512 acc[MR][kFloatSums];
-    for (int m = 0; m < MR; ++m)
-      for (int a = 0; a < kFloatSums; ++a) acc[m][a] = _mm512_setzero_ps();
+    __m512 acc[MR];
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t c = gi * steps; c < (gi + 1) * steps; ++c) {
       _mm_prefetch(reinterpret_cast<const char*>(wb + (c + kPrefetchSteps) * kBlock), _MM_HINT_T0);
       const __m512i codes = _mm512_loadu_si512(wb + c * kBlock);
-      for (int s = 0; s < kStep; ++s) {
-        const __m512 q = slot_avx512(codes, s);
-        for (int m = 0; m < MR; ++m) {
-          const __m512 xk = _mm512_set1_ps(P.xq[(m0 + m) * P.K + c * kStep + s]);
-          acc[m][s % kFloatSums] = _mm512_fmadd_ps(q, xk, acc[m][s % kFloatSums]);
-        }
+      for (int m = 0; m < MR; ++m) {
+        const int64_t row = m0 + m;
+        const __m512 unit = _mm512_set1_ps(P.xunit[row * (P.K / kStep) + c]);
+        const __m512i dot = step_dot_avx512(codes, P.xw + row * (P.K / 2) + 4 * c);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), unit, acc[m]);
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const int64_t row = m0 + m;
+      for (uint32_t fix = P.xfix[row * P.G + gi]; fix != 0; fix &= fix - 1) {
+        const int64_t c = gi * steps + __builtin_ctz(fix);
+        const __m512 unit = _mm512_set1_ps(P.xunit[row * (P.K / kStep) + c] * (1.0f / 32768));
+        const __m512i dot = step_dot_avx512(_mm512_loadu_si512(wb + c * kBlock), P.xlo + row * (P.K / 2) + 4 * c);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), unit, acc[m]);
       }
     }
     const __m512 s = load_bf16x16(szb + gi * 2 * kBlock);
@@ -243,8 +196,7 @@ AVX512 void block_avx512(const Problem& P, int64_t blk, int64_t m0, float* y) {
     const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);
     for (int m = 0; m < MR; ++m) {
       const __m512 xs = _mm512_set1_ps(P.xsum[(m0 + m) * P.G + gi]);
-      const __m512 sum = _mm512_add_ps(acc[m][0], acc[m][1]);
-      out[m] = _mm512_add_ps(out[m], _mm512_fmadd_ps(s, sum, _mm512_mul_ps(offset, xs)));
+      out[m] = _mm512_add_ps(out[m], _mm512_fmadd_ps(s, acc[m], _mm512_mul_ps(offset, xs)));
     }
   }
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * kBlock, out[m]);
@@ -259,7 +211,6 @@ struct Kernel {
   BlockFn fn[kMaxRowsAtOnce];
   int rows;
 };
-const Kernel kAvx512Bf16{{block_avx512_bf16<1>, block_avx512_bf16<2>, block_avx512_bf16<3>}, 3};
 const Kernel kAvx512{{block_avx512<1>, block_avx512<2>, block_avx512<3>}, 3};
 const Kernel kAvx2{{block_avx2<1>, block_avx2<2>, nullptr}, 2};
 
@@ -269,10 +220,9 @@ void check_weights(const at::Tensor& packed, const at::Tensor& sz, int64_t group
   TORCH_CHECK(sz.dtype() == at::kBFloat16 && sz.dim() == 4 && sz.size(0) == packed.size(0) && sz.size(2) == 2 &&
                   sz.size(3) == kBlock && sz.is_contiguous(),
               "cpu_int4 native: scales must be contiguous bf16 [N/16, K/g, 2, 16]");
-  // The AVX-512 loop takes two 8-code steps at a time: a group must hold whole pairs of steps.
-  TORCH_CHECK(group_size > 0 && group_size % (2 * kStep) == 0, "cpu_int4 native: group size ", group_size,
-              " is not a multiple of ", 2 * kStep);
-  // The AVX2 path marks a group's steps in 32 bits.
+  TORCH_CHECK(group_size > 0 && group_size % kStep == 0, "cpu_int4 native: group size ", group_size,
+              " is not a multiple of ", kStep);
+  // The kernels mark a group's steps in 32 bits.
   TORCH_CHECK(group_size <= 32 * kStep, "cpu_int4 native: group size ", group_size, " is over ", 32 * kStep);
   TORCH_CHECK(sz.size(1) * group_size == packed.size(1) * kStep, "cpu_int4 native: group size ", group_size,
               " does not match the tensors");
@@ -286,27 +236,18 @@ Isa checked_isa(int64_t isa) {
                   "cpu_int4 native: this CPU has no AVX2 and FMA instructions");
       break;
     case Isa::kAvx512:
-      TORCH_CHECK(__builtin_cpu_supports("avx512f"), "cpu_int4 native: this CPU has no AVX-512F instructions");
+      TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"),
+                  "cpu_int4 native: this CPU has no AVX-512F and AVX-512BW instructions");
       break;
     case Isa::kAvx512Bf16:
-      TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"),
+      TORCH_CHECK(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512bf16"),
                   "cpu_int4 native: this CPU has no AVX-512 BF16 instructions");
       break;
     default:
-      TORCH_CHECK(false, "cpu_int4 native: isa must be 1 (AVX2), 2 (AVX-512 BF16) or 3 (AVX-512F), got ", isa);
+      TORCH_CHECK(false, "cpu_int4 native: isa must be 1 (AVX2), 2 (AVX-512 BF16) or 3 (AVX-512), got ", isa);
   }
   return static_cast<Isa>(isa);
-}
-
-// x as the fp32 paths read it: [M][K/8][8] in slot order, slot s times 16^-s (slot 7 times 1).
-at::Tensor slot_scaled(const at::Tensor& xf) {
-  const int64_t M = xf.size(0), K = xf.size(1);
-  std::vector<int64_t> order(kSlotK, kSlotK + kStep);
-  std::vector<float> factor(kStep);
-  for (int s = 0; s < kStep; ++s) factor[s] = s == kStep - 1 ? 1.0f : std::ldexp(1.0f, -4 * s);
-  const at::Tensor index = at::tensor(order, xf.options().dtype(at::kLong));
-  const at::Tensor scale = at::tensor(factor, xf.options());
-  return (xf.view({M, K / kStep, kStep}).index_select(2, index) * scale).contiguous();
 }
 
 // Threads of the GEMV's own parallel region; 0: torch's intra-op threads (at::parallel_for).
@@ -317,10 +258,9 @@ void set_gemv_threads(int64_t threads) {
   gemv_threads = threads;
 }
 
-// x as the kernels read it: bf16 as given, fp32 (slot-scaled on AVX-512F), int16 blocks (AVX2),
-// group sums.
+// x as the kernels read it: int16 blocks and group sums.
 struct Inputs {
-  at::Tensor xb, xq, xsum, xw, xlo, xunit, xfix;
+  at::Tensor xsum, xw, xlo, xunit, xfix;
 };
 
 // round(m / 2^right) per lane for right >= 1: 0 from right = 9, as m < 2^8 (and a count of 32 or
@@ -382,32 +322,27 @@ AVX2 void int16_blocks(const at::Tensor& xb, int64_t group_size, Inputs& in) {
   }
 }
 
-Inputs gemv_inputs(const at::Tensor& x, Isa path, int64_t K, int64_t group_size) {
+Inputs gemv_inputs(const at::Tensor& x, int64_t K, int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.dtype() == at::kBFloat16, "cpu_int4 native: x must be bf16 [M, K]");
   const at::Tensor xb = x.contiguous();
-  const at::Tensor xf = xb.to(at::kFloat);
-  const at::Tensor xsum = xf.view({xb.size(0), K / group_size, group_size}).sum(-1).contiguous();
-  Inputs in{xb, path == Isa::kAvx512 ? slot_scaled(xf) : xf, xsum};
-  if (path == Isa::kAvx2) int16_blocks(xb, group_size, in);
+  Inputs in{xb.to(at::kFloat).view({xb.size(0), K / group_size, group_size}).sum(-1).contiguous()};
+  int16_blocks(xb, group_size, in);
   return in;
 }
 
 Problem problem_of(const Inputs& in, const at::Tensor& packed, const at::Tensor& sz, int64_t group_size) {
-  return {reinterpret_cast<const uint16_t*>(in.xb.data_ptr<at::BFloat16>()),
-          in.xq.data_ptr<float>(),
-          in.xw.defined() ? in.xw.data_ptr<int32_t>() : nullptr,
-          in.xlo.defined() ? in.xlo.data_ptr<int32_t>() : nullptr,
-          in.xunit.defined() ? in.xunit.data_ptr<float>() : nullptr,
-          in.xfix.defined() ? reinterpret_cast<const uint32_t*>(in.xfix.data_ptr<int32_t>()) : nullptr,
+  return {in.xw.data_ptr<int32_t>(),
+          in.xlo.data_ptr<int32_t>(),
+          in.xunit.data_ptr<float>(),
+          reinterpret_cast<const uint32_t*>(in.xfix.data_ptr<int32_t>()),
           in.xsum.data_ptr<float>(),
           packed.data_ptr<int32_t>(),
           reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>()),
-          in.xb.size(0), in.xb.size(1), packed.size(-3) * kBlock, sz.size(-3), group_size};
+          in.xsum.size(0), packed.size(-2) * kStep, packed.size(-3) * kBlock, sz.size(-3), group_size};
 }
 
-const Kernel& kernel_of(Isa path) {
-  return path == Isa::kAvx512Bf16 ? kAvx512Bf16 : path == Isa::kAvx512 ? kAvx512 : kAvx2;
-}
+// Both AVX-512 paths run the same GEMV; they differ in the dequantize and in AMX.
+const Kernel& kernel_of(Isa path) { return path == Isa::kAvx2 ? kAvx2 : kAvx512; }
 
 // Rows [0, P.M) of y (row stride P.N) for one block of W's rows.
 void gemv_block(const Kernel& kernel, const Problem& P, int64_t blk, float* y) {
@@ -443,9 +378,9 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
                      int64_t isa) {
   check_weights(packed, sz, group_size);
   const Isa path = checked_isa(isa);
-  const Inputs in = gemv_inputs(x, path, packed.size(1) * kStep, group_size);
+  const Inputs in = gemv_inputs(x, packed.size(1) * kStep, group_size);
   const Problem P = problem_of(in, packed, sz, group_size);
-  at::Tensor y = at::empty({P.M, P.N}, in.xq.options());
+  at::Tensor y = at::empty({P.M, P.N}, in.xsum.options());
   float* yp = y.data_ptr<float>();
   parallel_items(packed.size(0), [&](int64_t blk) { gemv_block(kernel_of(path), P, blk, yp); });
   return y;
@@ -465,9 +400,9 @@ at::Tensor int4_gemv_experts(const at::Tensor& x, const at::Tensor& packed, cons
   TORCH_CHECK(groups.dtype() == at::kLong && groups.dim() == 2 && groups.size(1) == 3,
               "cpu_int4 native: groups must be int64 [A, 3] rows of (expert, start, count)");
   const Isa path = checked_isa(isa);
-  const Inputs in = gemv_inputs(x, path, packed.size(2) * kStep, group_size);
+  const Inputs in = gemv_inputs(x, packed.size(2) * kStep, group_size);
   const Problem whole = problem_of(in, packed, sz, group_size);
-  at::Tensor y = at::empty({whole.M, whole.N}, in.xq.options());
+  at::Tensor y = at::empty({whole.M, whole.N}, in.xsum.options());
   const int64_t blocks = packed.size(1), expert_stride = packed[0].numel(), sz_stride = sz[0].numel();
   const at::Tensor g = groups.contiguous();
   const int64_t* gp = g.data_ptr<int64_t>();
@@ -482,14 +417,10 @@ at::Tensor int4_gemv_experts(const at::Tensor& x, const at::Tensor& packed, cons
     TORCH_CHECK(expert >= 0 && expert < packed.size(0) && start >= 0 && count >= 0 && start + count <= whole.M,
                 "cpu_int4 native: group (", expert, ", ", start, ", ", count, ") is out of range");
     Problem P = whole;
-    P.x += start * P.K;
-    P.xq += start * P.K;
-    if (P.xw != nullptr) {
-      P.xw += start * P.K / 2;
-      P.xlo += start * P.K / 2;
-      P.xunit += start * P.K / kStep;
-      P.xfix += start * P.G;
-    }
+    P.xw += start * P.K / 2;
+    P.xlo += start * P.K / 2;
+    P.xunit += start * P.K / kStep;
+    P.xfix += start * P.G;
     P.xsum += start * P.G;
     P.packed += expert * expert_stride;
     P.sz += expert * sz_stride;

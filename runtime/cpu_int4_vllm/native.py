@@ -33,8 +33,10 @@ class Isa(enum.IntEnum):
     """The kernel's code paths; the values are those of `enum class Isa` in int4_kernels.cpp."""
 
     AVX2 = 1  # AVX2 + FMA (Haswell on, Zen 1-3)
-    AVX512_BF16 = 2  # AVX-512F + AVX512_BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later)
-    AVX512 = 3  # AVX-512F without BF16 (Skylake-SP, Cascade Lake, Ice Lake)
+    AVX512_BF16 = 2  # AVX-512 with BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later)
+    AVX512 = 3  # AVX-512F + BW without BF16 (Skylake-SP, Cascade Lake, Ice Lake)
+    # Both AVX-512 paths run the same 16-lane GEMV (same bits as AVX2's 8 lanes). They differ in
+    # the dequantize (a bf16 rounding instruction) and in AMX (native.amx).
 
 
 def _compiler() -> str:
@@ -108,7 +110,7 @@ def supported_isas() -> list[Isa]:
     """Every kernel path this CPU can run."""
     caps = torch.cpu.get_capabilities()
     paths = [Isa.AVX2] if caps.get("avx2") and caps.get("fma3") else []
-    if caps.get("avx512_f"):
+    if caps.get("avx512_f") and caps.get("avx512_bw"):
         paths.append(Isa.AVX512)
         if caps.get("avx512_bf16"):
             paths.append(Isa.AVX512_BF16)

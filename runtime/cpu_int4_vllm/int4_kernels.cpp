@@ -23,8 +23,8 @@
 // Measured against the alternatives: masking each nibble to fp32 (a mask, a convert and an FMA
 // per 8 weights) computed 11.7 GB/s on a Zen 3 core with the layer in cache, under the core's
 // DRAM read; this computes 16. On Sapphire Rapids, AVX-512 BF16's dot product on (128 + q)
-// pairs takes 2 cycles per instruction against vpmaddwd's 0.5, and 16 lanes of this read
-// DRAM 5-7% faster at 1-2 rows and 20% at 4 (bench/kernel.py).
+// pairs took 4x the time of vpmaddwd (a probe, 12 independent sums), and 16 lanes of this read
+// DRAM 5-7% faster than it at 1-2 rows and 20% at 4 (bench/kernel.py's layers, interleaved).
 //
 // Every row is computed with the same operations in the same order whatever M is, so a
 // sequence's logits do not depend on what else is in the batch.
@@ -509,7 +509,7 @@ AVX2 inline __m128i to_bf16_avx2(__m256 w) {
   return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
 }
 
-// Also the AVX-512F path's: the AVX-512 routine above rounds to bf16 with an AVX512_BF16 instruction.
+// Also the AVX-512 path's: the AVX-512 routine above rounds to bf16 with an AVX512_BF16 instruction.
 AVX2 void dequant_step_avx2(const Dequant& D, int64_t blk, int64_t c) {
   const __m256i low4 = _mm256_set1_epi32(0x0F);
   const int32_t* wb = D.packed + blk * (D.K / kStep) * kBlock;

@@ -56,7 +56,7 @@ enum class Isa : int64_t { kAvx2 = 1, kAvx512Bf16 = 2, kAvx512 = 3 };
 constexpr int kBlock = 16;         // output rows per block, one per lane of a 512-bit vector
 constexpr int kStep = 8;           // codes per lane per int32
 constexpr int kMaxRowsAtOnce = 3;  // input rows sharing one unpack (see Kernel below)
-// Adjacent blocks a call streams side by side (see Kernel below).
+// Adjacent blocks per unit of parallel work, streamed side by side (see Kernel below).
 constexpr int kMaxBlocksAtOnce = 4;
 // Steps (64 bytes each) to prefetch ahead: 2 KiB ahead took the 4-layer 7B-shaped model from
 // 41.6 to 26.9 ms a token on 2 cores (14 -> 22 GB/s, what bf16's GEMV streams).
@@ -227,7 +227,7 @@ using BlockFn = void (*)(const Problem&, int64_t, int64_t, float*);
 
 // A path's routines for 1, 2, ... `rows` input rows at once (index MR-1), as many as its sums
 // fit in registers (32 zmm; 16 ymm, where 3 rows spilled and ran at a third of 2 rows' speed per
-// row): `wide` on `blocks` adjacent blocks, `one` on a single block (a layer's last few).
+// row): `wide` on `wide_blocks` adjacent blocks, `one` on a single block (a layer's last few).
 // Adjacent blocks side by side keep that many streams of weights in flight: 1 row x 11008 x 4096
 // on a Sapphire Rapids core read DRAM at 71% of a plain read one block at a time, 83% two at a
 // time, 88% four (8: no better), and 2 rows at 64% -> 78% (an interleaved A/B, same process).

@@ -105,16 +105,24 @@ def test_served_argmax_matches_the_pytorch_reference(engine, request, reference_
     q_top, q_lp = vllm_prompt_top1(llm, wiki_ids)
     ref_top, ref_lp = reference_top1[paths["bf16_gemm"]]
     agree = (q_top == ref_top).float().mean().item()
+    dlogprob = (q_lp - ref_lp).abs().mean().item()
     print(
         f"\n{len(wiki_ids) - 1} positions, {paths}: cpu_int4 vLLM vs reference top-1 agreement {agree:.2%},"
-        f" mean |dlogprob| {(q_lp - ref_lp).abs().mean():.4f};"
+        f" mean |dlogprob| {dlogprob:.4f};"
         f" control bf16 vLLM vs PyTorch {control[0]:.2%}, mean |dlogprob| {control[1]:.4f}"
     )
-    # Judged against vLLM's own bf16 serving on this host: on an AVX-512 host that control agrees
-    # with PyTorch at ~98% and cpu_int4 at 97.9%; on an AVX2 EPYC the control itself measured
-    # 97.07% and cpu_int4 96.68%, so the absolute floor is 96% (issue 11 asks 97%).
-    assert agree >= control[0] - 0.01
+    # The host's own engine is judged against vLLM's bf16 serving on this host: on AVX-512 hosts
+    # that control agrees with PyTorch at ~98% and cpu_int4 at 97.9%; on an AVX2 EPYC the control
+    # itself measured 97.07% and cpu_int4 96.68%, so the absolute floor is 96% (issue 11 asks 97%).
+    # The forced AVX2-host engine's control would be vLLM bf16 on an AVX2 host (PyTorch's
+    # reference bf16 GEMM), not this host's: on a Zen 4 EPYC (control 98.44%) it measured
+    # 96.97%, as on the AVX2 EPYC, and 0.0390 mean |dlogprob| against the control's 0.0334.
+    # Every engine must follow its reference's log-probabilities within 1.3x of how closely vLLM
+    # bf16 follows PyTorch bf16 (1.08-1.17x measured on three hosts).
+    if engine == "quant_llm":
+        assert agree >= control[0] - 0.01
     assert agree >= 0.96
+    assert dlogprob <= 1.3 * control[1]
 
 
 def test_prompt_alone_and_in_a_batch_agree(quant_llm):

@@ -94,6 +94,33 @@ def openmp_spin(model: torch.nn.Module) -> str | None:
     return os.environ.get("GOMP_SPINCOUNT")
 
 
+def record_step_calls(worker) -> None:
+    """Have the worker (vLLM's wrapper, for collective_rpc) note each `sample_tokens` call:
+    whether it came from inside `execute_model` (one call a step) or from the engine core, and
+    whether a grammar came with it."""
+    inner = worker.worker
+    inner.step_calls, inside = [], []
+    execute_model, sample_tokens = inner.execute_model, inner.sample_tokens
+
+    def noted_execute_model(*args, **kwargs):
+        inside.append(True)
+        try:
+            return execute_model(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    def noted_sample_tokens(grammar_output, *args, **kwargs):
+        inner.step_calls.append({"inside_execute_model": bool(inside), "grammar": grammar_output is not None})
+        return sample_tokens(grammar_output, *args, **kwargs)
+
+    inner.execute_model, inner.sample_tokens = noted_execute_model, noted_sample_tokens
+
+
+def step_calls(worker) -> list[dict]:
+    """What record_step_calls noted (for collective_rpc)."""
+    return worker.worker.step_calls
+
+
 def compute_paths(model: torch.nn.Module) -> dict:
     """What the int4 layers of `model` run on in its worker: the kernel path and whether large
     prefills multiply in bf16."""

@@ -2,10 +2,11 @@
 the top-1 token at every prompt position of a token list, greedy continuations of prompts in
 one batch, the nice values of each worker and of the engine core, and each worker's
 $GOMP_SPINCOUNT; with `alone`, each prompt by itself too, and what the int4 modules hold in
-memory.
+memory; with `calls`, how the worker was called for each step of those continuations and of a
+request with structured output, and that request's answer.
 Eager, unless `compiled` asks for vLLM's default compilation.
 
-    python tests/serve_once.py MODEL TP PP IDS.json [alone] [compiled]   # prints: RESULT {...}
+    python tests/serve_once.py MODEL TP PP IDS.json [alone] [compiled] [calls]   # prints: RESULT {...}
 
 A process of its own per engine: vLLM's distributed state (ranks, shared-memory broadcast) is
 set up per process, and tests compare several sizes of the same checkpoint. Tests start it with
@@ -43,6 +44,7 @@ RANK_PROMPTS = [
     "Once upon a time, in a small village at the edge of a great forest,",
 ]
 GREEDY16 = dict(max_tokens=16, temperature=0.0)
+CHOICES = ["Paris", "London", "Rome"]  # the structured-output request's answers
 POSITIONS = 1024  # positions of wiki.test.raw the tests score (conftest's ids_file)
 
 
@@ -67,8 +69,16 @@ def result(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-def serve(model: str, tp: int, pp: int, ids: list[int], alone: bool = False, compiled: bool = False) -> dict:
-    from report import nice_values, openmp_spin
+def serve(
+    model: str,
+    tp: int,
+    pp: int,
+    ids: list[int],
+    alone: bool = False,
+    compiled: bool = False,
+    calls: bool = False,
+) -> dict:
+    from report import nice_values, openmp_spin, record_step_calls, step_calls
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -91,6 +101,8 @@ def serve(model: str, tp: int, pp: int, ids: list[int], alone: bool = False, com
         [TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False
     )[0]
     top1 = [next(t for t, lp in d.items() if lp.rank == 1) for d in scored.prompt_logprobs[1:]]
+    if calls:
+        llm.collective_rpc(record_step_calls)
     result = {
         "top1": top1,
         "greedy": _greedy(llm, PROMPTS if alone else RANK_PROMPTS),
@@ -102,6 +114,9 @@ def serve(model: str, tp: int, pp: int, ids: list[int], alone: bool = False, com
 
         result["alone"] = [_greedy(llm, [prompt])[0] for prompt in PROMPTS]
         result["memory"] = llm.apply_model(int4_memory_report)[0]
+    if calls:
+        result["choice"] = _choice(llm, "The capital of France is")
+        result["calls"] = llm.collective_rpc(step_calls)[0]
     return result
 
 
@@ -112,9 +127,19 @@ def _greedy(llm, prompts: list[str]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def _choice(llm, prompt: str) -> str:
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    choice = StructuredOutputsParams(choice=CHOICES)
+    params = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=choice)
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+
+
 if __name__ == "__main__":
     model, tp, pp, ids_file = sys.argv[1:5]
     flags = set(sys.argv[5:])
     ids = json.loads(Path(ids_file).read_text())
-    result = serve(model, int(tp), int(pp), ids, alone="alone" in flags, compiled="compiled" in flags)
+    chosen = {flag: flag in flags for flag in ("alone", "compiled", "calls")}
+    result = serve(model, int(tp), int(pp), ids, **chosen)
     print("RESULT " + json.dumps(result), flush=True)

@@ -22,10 +22,12 @@ def register() -> None:
     from .engine_priority import lower_engine_priority
     from .engine_wait import sleep_through_steps
     from .format import QUANT_METHOD
+    from .one_call_step import sample_in_execute_model
     from .openmp_spin import shorten_openmp_spin
 
     register_quantization_config(QUANT_METHOD)(CpuInt4Config)
     shorten_openmp_spin()
     lower_engine_priority()
     sleep_through_steps()
+    sample_in_execute_model()
     _registered = True

@@ -10,8 +10,9 @@ and waited out vLLM's 5 s recheck on every step. Sleeping 1 ms between checks cu
 5% of a core (29-32 tok/s) but adds half a millisecond a step. So the reader sleeps, at most
 1 ms at a time, until 90% of the time the same read took one step before has passed, and spins
 from there as vLLM does: decode steps take about as long as the one before, so the reply is seen
-at once. A step is two reads (`execute_model`, then `sample_tokens`), a long one and a short
-one, so the read to compare with is the one two reads back. After 1 s the reader blocks as
+at once. A step is one read, or two (`execute_model`, then `sample_tokens`: a long one and a
+short one) where it needs a grammar or one_call_step.py is turned off, so the read to compare
+with is the one two reads back. After 1 s the reader blocks as
 vLLM's does: sleeping on through a 512-token prefill (5.5 s) made it 7.1-7.4 s.
 `CPU_INT4_ENGINE_WAIT=spin` keeps vLLM's spin. Measured in README.md (`bench/serve.py --compare
 spin`).

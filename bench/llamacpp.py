@@ -6,7 +6,8 @@ prefill timing. Runs in the venv `make bench-deps` builds (.bench-venv), called 
 Converts BF16_DIR (safetensors + config) with the converter bundled in llama-cpp-python's sdist,
 taking the tokenizer from TOKENIZER_DIR (the synthetic model has none), quantizes with the
 bindings' `llama_model_quantize`, then times what serve.py times for vLLM: 128 greedy tokens
-after a 16-token prompt, and a 512-token prompt's evaluation. Prints one RESULT line (JSON).
+after a 16-token prompt (the median of 3 runs), and a 512-token prompt's evaluation. Prints
+one RESULT line (JSON).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,6 +30,7 @@ BENCH_VENV = Path(__file__).resolve().parent.parent / ".bench-venv"
 CONVERTER = next(BENCH_VENV.glob("sdist/llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py"), None)
 FTYPES = {"Q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "Q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0}
 DECODE_TOKENS = 128
+DECODE_REPEATS = 3  # as serve.py
 PREFILL_TOKENS = 512
 
 
@@ -104,7 +107,7 @@ def measure(gguf: Path, threads: int) -> dict:
         return time.perf_counter() - begin
 
     decode_s(prompt(16), 8)  # warm-up
-    decode = decode_s(prompt(16), DECODE_TOKENS)
+    decode = statistics.median(decode_s(prompt(16), DECODE_TOKENS) for _ in range(DECODE_REPEATS))
     prefill = min(prefill_s(prompt(PREFILL_TOKENS)) for _ in range(2))
     return {
         "decode_tok_s": DECODE_TOKENS / decode,

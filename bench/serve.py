@@ -2,7 +2,7 @@
 TP=1 vs TP=2, cpu_int4 under different thread settings, or a mixture-of-experts model.
 
     .venv/bin/python bench/serve.py [--rounds 3] [--layers 4]
-                                       [--compare int4|spin|tp|threads|moe|nice|step|step-moe]
+                                       [--compare int4|spin|tp|threads|moe|nice|step]
                                        [--compiled]
 
 The model: 4 Llama-2-7B-shaped layers (hidden 4096, MLP 11008, vocab 49152, untied head),
@@ -26,9 +26,9 @@ own core (VLLM_CPU_OMP_THREADS_BIND=0|1). `--compare threads` is the study in do
 768, 8 active per token; vocab 49152): bf16 against cpu_int4 on the host's kernel and on the
 AVX2 path. `--compare nice` serves that model in bf16 and cpu_int4, each with and without
 CPU_INT4_ENGINE_NICE=19 (runtime/cpu_int4_vllm/engine_priority.py), and cpu_int4 under vLLM's
-default binding (`auto`: a core kept for the engine per rank). `--compare step` (the dense
-model) and `--compare step-moe` serve bf16 and cpu_int4 with one call from the engine core to
-the worker a step and with vLLM's two (CPU_INT4_ONE_CALL_STEP=0, one_call_step.py).
+default binding (`auto`: a core kept for the engine per rank). `--compare step` serves bf16
+and cpu_int4 with one call from the engine core to the worker a step and with vLLM's two
+(CPU_INT4_ONE_CALL_STEP=0, one_call_step.py); bench/step_calls.py compares the two in one engine.
 `--compiled` serves in vLLM's default mode (torch.compile), as `vllm serve` does without flags,
 instead of eager.
 """
@@ -130,10 +130,10 @@ STEP = {
     "vLLM cpu_int4": Run("int4"),
     "cpu_int4, two calls a step": Run("int4", env=((ONE_CALL, "0"),)),
 }
-COMPARISONS["step"] = COMPARISONS["step-moe"] = STEP
+COMPARISONS["step"] = STEP
 # The checkpoint each comparison serves: (cache folder stem, builder).
 MOE_MODEL = ("synthetic-qwen3-30b-a3b-shapes", build_synthetic_moe)
-MODELS = {"moe": MOE_MODEL, "nice": MOE_MODEL, "step-moe": MOE_MODEL}
+MODELS = {"moe": MOE_MODEL, "nice": MOE_MODEL}
 DENSE_MODEL = ("synthetic-7b-shapes", build_synthetic)
 
 

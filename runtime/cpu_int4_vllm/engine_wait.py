@@ -1,5 +1,5 @@
-"""vLLM's engine core sleeps through most of each step while it waits for the worker's reply,
-so that the worker's compute threads keep every core.
+"""vLLM's engine core sleeps through most of each step while it waits for the worker's reply, so
+that the worker's compute threads keep every core.
 
 The engine core reads each step's output from a shared-memory queue. vLLM's reader spins on
 `sched_yield` for 1 s after each read (`shm_broadcast.SpinCondition.wait`), so during decode it
@@ -7,15 +7,14 @@ never sleeps: on 2 cores (AMD EPYC, AVX2, the 7B-shaped model of `bench/serve.py
 of a core beside the worker's two GEMV threads, which then decoded 27.2 tok/s. Blocking on the
 writer's notification (vLLM's idle mode) took ~0.5 ms to wake, and served it lost the wake-up
 and waited out vLLM's 5 s recheck on every step. Sleeping 1 ms between checks cut the engine to
-5% of a core (29-32 tok/s) but adds half a millisecond a step. So the reader sleeps, at most
-1 ms at a time, until 90% of the time the same read took one step before has passed, and spins
+5% of a core (29-32 tok/s) but adds half a millisecond a step. So the reader sleeps, at most 1
+ms at a time, until 90% of the time the same read took one step before has passed, and spins
 from there as vLLM does: decode steps take about as long as the one before, so the reply is seen
 at once. A step is one read, or two (`execute_model`, then `sample_tokens`: a long one and a
 short one) where it needs a grammar or one_call_step.py is turned off, so the read to compare
-with is the one two reads back. After 1 s the reader blocks as
-vLLM's does: sleeping on through a 512-token prefill (5.5 s) made it 7.1-7.4 s.
-`CPU_INT4_ENGINE_WAIT=spin` keeps vLLM's spin. Measured in README.md (`bench/serve.py --compare
-spin`).
+with is the one two reads back. After 1 s the reader blocks as vLLM's does: sleeping on through
+a 512-token prefill (5.5 s) made it 7.1-7.4 s. `CPU_INT4_ENGINE_WAIT=spin` keeps vLLM's spin.
+Measured in README.md (`bench/serve.py --compare spin`).
 """
 
 from __future__ import annotations

@@ -3,14 +3,15 @@
 vLLM's engine core asks the worker for each step twice: `execute_model` (the forward pass) and,
 when that returns nothing, `sample_tokens(grammar_output)`, so that it can build the
 structured-output bitmask while the forward runs. Each call is a round trip through shared
-memory between two processes; on 2 cores the worker waited ~2 ms a step between the two
-(forward 13.2 ms, MoE model of `bench/serve.py --compare moe`, a Zen 4 EPYC). When no request
-in the step uses structured output the engine core's grammar output is None
-(`Scheduler.get_grammar_bitmask`), so the worker samples at once with exactly that and returns
-the step's output from `execute_model`; the engine core then skips `sample_tokens`
-(`EngineCore.step`). Steps with structured output, and pipeline parallelism (whose ranks hand
-tensors on between the two calls), keep the two calls. `CPU_INT4_ONE_CALL_STEP=0` turns it off.
-Measured in README.md (`bench/serve.py --compare step`).
+memory between two processes: on 2 cores (Zen 4 EPYC, the 7B-shaped model of `bench/serve.py`)
+the worker waited 0.7-1.1 ms between the two. When no request in the step uses structured
+output the engine core's grammar output is None (`Scheduler.get_grammar_bitmask`), so the
+worker samples at once with exactly that and returns the step's output from `execute_model`;
+the engine core then skips `sample_tokens` (`EngineCore.step`). Steps with structured output
+keep the two calls, and so do engines that overlap batches (pipeline parallelism, async
+scheduling): their `step_with_batch_queue` calls `sample_tokens` whatever `execute_model`
+returned. `CPU_INT4_ONE_CALL_STEP=0` turns it off. Measured in README.md
+(`bench/step_calls.py`: cpu_int4 5-8% less time a token).
 """
 
 from __future__ import annotations
@@ -47,8 +48,7 @@ def sample_in_execute_model() -> None:
 
 def one_call_will_do(worker, scheduler_output) -> bool:
     """True when the engine core would follow this step's `execute_model` with
-    `sample_tokens(None)`: no structured output, one pipeline stage."""
-    return (
-        not scheduler_output.has_structured_output_requests
-        and worker.vllm_config.parallel_config.pipeline_parallel_size == 1
-    )
+    `sample_tokens(None)`: no structured output, and one batch at a time (the engine core's
+    `step`, which it runs exactly when `max_concurrent_batches` is 1)."""
+    one_batch = worker.vllm_config.max_concurrent_batches == 1
+    return one_batch and not scheduler_output.has_structured_output_requests

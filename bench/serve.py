@@ -123,14 +123,13 @@ COMPARISONS = {
         "cpu_int4, engine nice 19": Run("int4", env=((ENGINE_NICE, "19"),)),
         "cpu_int4, vLLM's default binding": Run("int4", bind="auto"),
     },
+    "step": {
+        "vLLM bf16": Run("bf16"),
+        "vLLM bf16, two calls a step": Run("bf16", env=((ONE_CALL, "0"),)),
+        "vLLM cpu_int4": Run("int4"),
+        "cpu_int4, two calls a step": Run("int4", env=((ONE_CALL, "0"),)),
+    },
 }
-STEP = {
-    "vLLM bf16": Run("bf16"),
-    "vLLM bf16, two calls a step": Run("bf16", env=((ONE_CALL, "0"),)),
-    "vLLM cpu_int4": Run("int4"),
-    "cpu_int4, two calls a step": Run("int4", env=((ONE_CALL, "0"),)),
-}
-COMPARISONS["step"] = STEP
 # The checkpoint each comparison serves: (cache folder stem, builder).
 MOE_MODEL = ("synthetic-qwen3-30b-a3b-shapes", build_synthetic_moe)
 MODELS = {"moe": MOE_MODEL, "nice": MOE_MODEL}

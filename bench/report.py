@@ -39,11 +39,34 @@ def int4_memory_report(model: torch.nn.Module) -> dict:
             "packed_bytes_held": held,
             "backend": module.int4_backend.NAME if hasattr(module, "int4_backend") else None,
             "tensors": sorted(n for n, _ in module.named_parameters()),
+            "huge_pages": {n: huge_page_bytes(t) for n, t in module.named_parameters()},
         }
     # named_modules() lists a shared module once: a tied head shows up under the table's name.
     head = getattr(model, "lm_head", None)
     head_name = next((n for n, m in model.named_modules() if m is head), None)
     return {"modules": modules, "lm_head_module": head_name}
+
+
+def huge_page_bytes(tensor: torch.Tensor) -> tuple[int, int]:
+    """(bytes of `tensor` in memory advised MADV_HUGEPAGE, bytes of its whole 2 MiB pages)."""
+    from cpu_int4_vllm.huge_pages import HUGE_PAGE
+
+    start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
+    advised = sum(max(0, min(end, hi) - max(start, lo)) for lo, hi in advised_ranges())
+    return advised, tensor.nbytes // HUGE_PAGE * HUGE_PAGE
+
+
+def advised_ranges() -> list[tuple[int, int]]:
+    """This process's mappings advised MADV_HUGEPAGE ("hg" in their VmFlags)."""
+    ranges, current = [], None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                current = tuple(int(a, 16) for a in head.split("-"))
+            elif head == "VmFlags:" and "hg" in line.split()[1:]:
+                ranges.append(current)
+    return ranges
 
 
 def _experts_packed_bytes(module: torch.nn.Module, group_size: int) -> int:

@@ -168,6 +168,13 @@ def test_no_second_packed_copy_and_tied_head_shares_the_table(quant_llm):
     assert table["packed_bytes_held"] == 2 * table["packed_bytes_one_copy"]
     # The tied head is the table module itself: no tensor of its own.
     assert report["lm_head_module"] == "model.embed_tokens"
+    # Kernel tensors hold their whole 2 MiB pages in huge-page memory (huge_pages.py); here the
+    # table's codes (14 MiB) are the only ones that have any.
+    for name, r in report["modules"].items():
+        for tensor in ("int4_packed", "scales_and_zeros"):
+            advised, whole = r["huge_pages"][tensor]
+            assert advised == whole, (name, tensor)
+    assert table["huge_pages"]["int4_packed"][0] > 0
 
 
 def test_compiled_mode_matches_eager(quant_llm, demo_quantized, wiki_ids):

@@ -63,6 +63,16 @@ constexpr int kMaxBlocksAtOnce = 4;
 constexpr int kPrefetchSteps = 32;
 constexpr int kSlotK[kStep] = {0, 2, 4, 6, 1, 3, 5, 7};  // k offset held in nibble slot s
 
+// The line kPrefetchSteps ahead of step c in block wb (of `steps` steps). Past the block's end
+// it continues in the block NB on, where the next unit of work starts: a unit's NB streams then
+// start warm instead of each waiting on DRAM.
+template <int NB>
+inline const char* ahead(const int32_t* wb, int64_t c, int64_t steps) {
+  int64_t at = c + kPrefetchSteps;
+  if (at >= steps) at += (NB - 1) * steps;
+  return reinterpret_cast<const char*>(wb + at * kBlock);
+}
+
 struct Problem {
   const int32_t* xw;   // [M][K/2] x as int16, pairs (k, k+1) in the halves of an int32
   const int32_t* xlo;  // [M][K/2] what xw rounded off, in units 2^15 finer
@@ -117,7 +127,7 @@ AVX2 void block_avx2(const Problem& P, int64_t blk, int64_t m0, float* y) {
     for (int64_t c = gi * steps; c < (gi + 1) * steps; ++c) {
       _Pragma("GCC unroll 8") for (int b = 0; b < NB; ++b) {
         const int32_t* wb = P.packed + (blk + b) * (P.K / kStep) * kBlock;
-        _mm_prefetch(reinterpret_cast<const char*>(wb + (c + kPrefetchSteps) * kBlock), _MM_HINT_T0);
+        _mm_prefetch(ahead<NB>(wb, c, P.K / kStep), _MM_HINT_T0);
         const __m256i codes[2] = {load_codes8(wb, c, 0), load_codes8(wb, c, 1)};
         _Pragma("GCC unroll 8") for (int m = 0; m < MR; ++m) {
           const int64_t row = m0 + m;
@@ -186,7 +196,7 @@ AVX512 void block_avx512(const Problem& P, int64_t blk, int64_t m0, float* y) {
     for (int64_t c = gi * steps; c < (gi + 1) * steps; ++c) {
       for (int b = 0; b < NB; ++b) {
         const int32_t* wb = P.packed + (blk + b) * (P.K / kStep) * kBlock;
-        _mm_prefetch(reinterpret_cast<const char*>(wb + (c + kPrefetchSteps) * kBlock), _MM_HINT_T0);
+        _mm_prefetch(ahead<NB>(wb, c, P.K / kStep), _MM_HINT_T0);
         const __m512i codes = _mm512_loadu_si512(wb + c * kBlock);
         for (int m = 0; m < MR; ++m) {
           const int64_t row = m0 + m;

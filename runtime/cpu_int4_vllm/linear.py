@@ -14,6 +14,7 @@ from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMPa
 
 from . import native, native_backend, tinygemm_backend
 from .format import PACKED_SUFFIX, QUANTIZED_SUFFIXES, quantized_tensors, shape_problem
+from .huge_pages import in_huge_pages
 
 
 @functools.cache
@@ -113,7 +114,9 @@ def build_kernel_weights(layer, config, keep_rowmajor_for_lookup: bool = False) 
         layer.weight_packed.data, layer.weight_scale.data, layer.weight_zero.data, config
     )
     for name, tensor in tensors.items():
-        setattr(layer, name, None if tensor is None else torch.nn.Parameter(tensor, requires_grad=False))
+        if tensor is not None:
+            tensor = torch.nn.Parameter(in_huge_pages(tensor), requires_grad=False)
+        setattr(layer, name, tensor)
     # The module itself, read in apply_int4: a plain attribute that torch.compile traces through
     # (calling backend() there made Dynamo trace into the kernel loading).
     layer.int4_backend = backend()

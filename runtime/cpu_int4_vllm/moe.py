@@ -23,6 +23,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from . import native
 from .config import through_op
 from .format import PACKED_SUFFIX, QUANTIZED_SUFFIXES, quantized_tensors, shape_problem
+from .huge_pages import in_huge_pages
 from .linear import backend
 
 
@@ -181,7 +182,7 @@ def _kernel_experts(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     """The backend's tensors of every expert, stacked [E, ...] (the grouped kernel's input)."""
     prepared = [backend().prepare(packed[e], scale[e], zero[e], config) for e in range(len(packed))]
     return {
-        key: None if tensor is None else torch.stack([p[key] for p in prepared])
+        key: None if tensor is None else in_huge_pages(torch.stack([p[key] for p in prepared]))
         for key, tensor in prepared[0].items()
     }
 

@@ -28,7 +28,7 @@ AVX2 path. `--compare nice` serves that model in bf16 and cpu_int4, each with an
 CPU_INT4_ENGINE_NICE=19 (runtime/cpu_int4_vllm/engine_priority.py), and cpu_int4 under vLLM's
 default binding (`auto`: a core kept for the engine per rank). `--compare step` serves bf16
 and cpu_int4 with one call from the engine core to the worker a step and with vLLM's two
-(CPU_INT4_ONE_CALL_STEP=0, one_call_step.py); bench/step_calls.py compares the two in one engine.
+(CPU_INT4_ONE_CALL_STEP=0, one_call_step.py); bench/alternate.py --switch step compares the two in one engine.
 `--compiled` serves in vLLM's default mode (torch.compile), as `vllm serve` does without flags,
 instead of eager.
 """

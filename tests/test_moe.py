@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from checks import snr_db
 from cpu_int4.cli import app
 from cpu_int4.dequantized import load_reference_model
 from cpu_int4.quantize import quantize
@@ -155,6 +156,14 @@ def experts():
     )
 
 
+def stacked(checkpoint, backend, config) -> SimpleNamespace:
+    """A backend's tensors of every expert in `checkpoint`, stacked [E, ...] as moe.py holds them."""
+    prepared = [backend.prepare(*tensors, config) for tensors in checkpoint]
+    return SimpleNamespace(
+        **{k: None if v is None else torch.stack([p[k] for p in prepared]) for k, v in prepared[0].items()}
+    )
+
+
 def run(case, rows=slice(None), weights=None, ids=None, x=None, backend=None, **kwargs) -> torch.Tensor:
     """The experts of `case` on a backend's kernels (native by default), through run_experts."""
     from cpu_int4_vllm import native_backend
@@ -162,16 +171,6 @@ def run(case, rows=slice(None), weights=None, ids=None, x=None, backend=None, **
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
     backend = backend or native_backend
-
-    def stacked(checkpoint):
-        prepared = [backend.prepare(*tensors, case.config) for tensors in checkpoint]
-        return SimpleNamespace(
-            **{
-                k: None if v is None else torch.stack([p[k] for p in prepared])
-                for k, v in prepared[0].items()
-            }
-        )
-
     x = case.x if x is None else x
     weights = case.weights if weights is None else weights
     ids = case.ids if ids is None else ids
@@ -179,8 +178,8 @@ def run(case, rows=slice(None), weights=None, ids=None, x=None, backend=None, **
         x[rows],
         weights[rows],
         ids[rows],
-        stacked(case.w13),
-        stacked(case.w2),
+        stacked(case.w13, backend, case.config),
+        stacked(case.w2, backend, case.config),
         lambda inputs, experts, groups: backend.grouped_linear(inputs, experts, groups, case.config),
         MoEActivation.SILU,
         **kwargs,
@@ -209,6 +208,28 @@ def test_expert_kernel_and_dequantize_paths_agree(experts):
     assert snr(alone, batch) >= 40
     assert snr(alone, exact) >= 40
     assert snr(batch, exact) >= 40
+
+
+def test_one_native_call_runs_the_experts_as_run_experts_does(experts):
+    """Decode's single call (silu_experts) against run_experts on the same kernels, for 1, 2 and
+    31 tokens (62 pairs, the most it is given). What may differ: silu's exp in its last bits, the
+    order of each token's k sums."""
+    from cpu_int4_vllm import native_backend
+
+    w13, w2 = (stacked(w, native_backend, experts.config) for w in (experts.w13, experts.w2))
+    for tokens in (1, 2, 31):
+        rows = slice(0, tokens)
+        one = native_backend.silu_experts(
+            experts.x[rows], experts.weights[rows], experts.ids[rows], w13, w2, experts.config
+        )
+        glue = run(experts, rows)
+        same = (one == glue).float().mean().item()
+        print(
+            f"\n{tokens} tokens: {snr_db(glue.float(), one.float()):.1f} dB, {same:.2%} of values identical"
+        )
+        assert one.dtype == glue.dtype and one.shape == glue.shape
+        assert snr_db(glue.float(), one.float()) >= 50
+        assert same >= 0.9
 
 
 def test_the_tinygemm_backend_runs_the_same_experts(experts):

@@ -428,33 +428,29 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return y;
 }
 
-// Mixture-of-experts: for each row (expert, start, count) of `groups`, rows [start, start + count)
-// of y [M, N] fp32 = those rows of x times expert `expert`'s W^T, from all experts' weights
-// stacked (packed [E, N/16, K/8, 16], sz [E, N/16, K/g, 2, 16]). Rows outside every group are
-// left unwritten. One call and one parallel region for all the experts a batch uses: a call per
-// expert cost ~0.2 ms of dispatch a decode step per expert (Qwen3-30B-A3B shapes, 2 cores).
-at::Tensor int4_gemv_experts(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
-                             const at::Tensor& groups, int64_t group_size, int64_t isa) {
+// Mixture-of-experts: for each (expert, start, count) of `groups` (n of them, 3 int64 each), rows
+// [start, start + count) of y [M, N] fp32 = those rows of x times expert `expert`'s W^T, from all
+// experts' weights stacked (packed [E, N/16, K/8, 16], sz [E, N/16, K/g, 2, 16]). Rows outside
+// every group are left unwritten. One call and one parallel region for all the experts a batch
+// uses: a call per expert cost ~0.2 ms of dispatch a decode step per expert (Qwen3-30B-A3B
+// shapes, 2 cores).
+at::Tensor grouped_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, const int64_t* gp,
+                        int64_t n, int64_t group_size, Isa path) {
   TORCH_CHECK(packed.dim() == 4 && sz.dim() == 5 && packed.size(0) == sz.size(0),
               "cpu_int4 native: experts' packed [E, N/16, K/8, 16] and sz [E, N/16, K/g, 2, 16] expected");
   check_weights(packed[0], sz[0], group_size);
   TORCH_CHECK(packed.is_contiguous() && sz.is_contiguous(), "cpu_int4 native: experts' tensors must be contiguous");
-  TORCH_CHECK(groups.dtype() == at::kLong && groups.dim() == 2 && groups.size(1) == 3,
-              "cpu_int4 native: groups must be int64 [A, 3] rows of (expert, start, count)");
-  const Isa path = checked_isa(isa);
   const Inputs in = gemv_inputs(x, packed.size(2) * kStep, group_size);
   const Problem whole = problem_of(in, packed, sz, group_size);
   at::Tensor y = at::empty({whole.M, whole.N}, in.xsum.options());
   const int64_t blocks = packed.size(1), expert_stride = packed[0].numel(), sz_stride = sz[0].numel();
-  const at::Tensor g = groups.contiguous();
-  const int64_t* gp = g.data_ptr<int64_t>();
   struct Part {
     Problem P;
     float* y;
   };
   std::vector<Part> parts;
   float* yp = y.data_ptr<float>();
-  for (int64_t a = 0; a < g.size(0); ++a) {
+  for (int64_t a = 0; a < n; ++a) {
     const int64_t expert = gp[3 * a], start = gp[3 * a + 1], count = gp[3 * a + 2];
     TORCH_CHECK(expert >= 0 && expert < packed.size(0) && start >= 0 && count >= 0 && start + count <= whole.M,
                 "cpu_int4 native: group (", expert, ", ", start, ", ", count, ") is out of range");
@@ -475,6 +471,64 @@ at::Tensor int4_gemv_experts(const at::Tensor& x, const at::Tensor& packed, cons
     gemv_blocks(kernel_of(path), part.P, item % units * kMaxBlocksAtOnce, part.y);
   });
   return y;
+}
+
+// grouped_gemv with the groups as an int64 [A, 3] tensor.
+at::Tensor int4_gemv_experts(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
+                             const at::Tensor& groups, int64_t group_size, int64_t isa) {
+  TORCH_CHECK(groups.dtype() == at::kLong && groups.dim() == 2 && groups.size(1) == 3,
+              "cpu_int4 native: groups must be int64 [A, 3] rows of (expert, start, count)");
+  const at::Tensor g = groups.contiguous();
+  return grouped_gemv(x, packed, sz, g.data_ptr<int64_t>(), g.size(0), group_size, checked_isa(isa));
+}
+
+// The routed experts of a few tokens with SiLU-gated experts, all of it in one call: x [T, H]
+// bf16, topk_weights/topk_ids [T, k], w13 the experts' stacked gate and up (2I rows), w2 their
+// down projection; bf16 [T, H] out. The same math as moe.run_experts: (token, k) pairs sorted by
+// expert, w13's products rounded to bf16, silu(gate) * up in fp32 rounded to bf16 (vLLM's
+// silu_and_mul), w2, then per token the k products weighted and summed in fp32, in k order.
+// Only for batches whose experts each get under 64 rows (decode); the Python around it took
+// ~96 us a layer at one token, of which this keeps the two GEMVs.
+at::Tensor int4_silu_experts(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                             const at::Tensor& w13_packed, const at::Tensor& w13_sz, const at::Tensor& w2_packed,
+                             const at::Tensor& w2_sz, int64_t group_size, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0) &&
+                  topk_weights.sizes() == topk_ids.sizes(),
+              "cpu_int4 native: x [T, H], topk_weights and topk_ids [T, k] expected");
+  const Isa path = checked_isa(isa);
+  const int64_t tokens = topk_ids.size(0), top_k = topk_ids.size(1), pairs = tokens * top_k;
+  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  std::vector<int64_t> order(pairs), where(pairs), groups;  // where[pair]: its row among the sorted
+  for (int64_t i = 0; i < pairs; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return idp[a] < idp[b]; });
+  at::Tensor token_of = at::empty({pairs}, ids.options());
+  int64_t* tp = token_of.data_ptr<int64_t>();
+  for (int64_t i = 0; i < pairs; ++i) {
+    where[order[i]] = i;
+    tp[i] = order[i] / top_k;
+    if (i == 0 || idp[order[i]] != idp[order[i - 1]]) groups.insert(groups.end(), {idp[order[i]], i, 0});
+    ++groups.back();
+  }
+  const int64_t n = static_cast<int64_t>(groups.size()) / 3;
+  const at::Tensor hidden = grouped_gemv(x.index_select(0, token_of), w13_packed, w13_sz, groups.data(), n,
+                                         group_size, path).to(at::kBFloat16).to(at::kFloat);
+  const int64_t width = hidden.size(1) / 2;
+  const at::Tensor act = (at::silu(hidden.narrow(1, 0, width)) * hidden.narrow(1, width, width)).to(at::kBFloat16);
+  const at::Tensor product = grouped_gemv(act, w2_packed, w2_sz, groups.data(), n, group_size, path);
+  const at::Tensor weights = topk_weights.to(at::kFloat).contiguous();
+  const float* wp = weights.data_ptr<float>();
+  const float* pp = product.data_ptr<float>();
+  const int64_t H = product.size(1);
+  at::Tensor out = at::zeros({tokens, H}, product.options());
+  float* op = out.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t j = 0; j < top_k; ++j) {
+      const float w = wp[t * top_k + j];
+      const float* row = pp + where[t * top_k + j] * H;
+      for (int64_t h = 0; h < H; ++h) op[t * H + h] += w * row[h];
+    }
+  return out.to(x.scalar_type());
 }
 
 // ------------------------------------------------ dequantize: W^T [K, N] for the prefill GEMM
@@ -833,6 +887,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_quantize_minmax(const at::Te
 TORCH_LIBRARY(cpu_int4_native, m) {
   m.def("gemv(Tensor x, Tensor packed, Tensor sz, int group_size, int isa) -> Tensor");
   m.def("gemv_experts(Tensor x, Tensor packed, Tensor sz, Tensor groups, int group_size, int isa) -> Tensor");
+  m.def(
+      "silu_experts(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13_packed, Tensor w13_sz, "
+      "Tensor w2_packed, Tensor w2_sz, int group_size, int isa) -> Tensor");
   m.def("dequantize_t(Tensor packed, Tensor sz, int group_size, int isa, Tensor(a!) out) -> ()");
   m.def("amx_linear(Tensor x, Tensor packed, Tensor sz, int group_size, Tensor(a!) out) -> ()");
   m.def("quantize_minmax(Tensor weight, int group_size) -> (Tensor, Tensor, Tensor)");
@@ -844,6 +901,7 @@ TORCH_LIBRARY_FRAGMENT(cpu_int4_native, m) { m.impl("set_gemv_threads", set_gemv
 TORCH_LIBRARY_IMPL(cpu_int4_native, CPU, m) {
   m.impl("gemv", int4_gemv);
   m.impl("gemv_experts", int4_gemv_experts);
+  m.impl("silu_experts", int4_silu_experts);
   m.impl("dequantize_t", int4_dequantize_t);
   m.impl("amx_linear", int4_amx_linear);
   m.impl("quantize_minmax", int4_quantize_minmax);

@@ -15,7 +15,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from vllm.model_executor.layers.fused_moe.activation import apply_moe_activation
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation, apply_moe_activation
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
 from vllm.model_executor.utils import set_weight_attrs
@@ -25,6 +25,7 @@ from .config import through_op
 from .format import PACKED_SUFFIX, QUANTIZED_SUFFIXES, quantized_tensors, shape_problem
 from .huge_pages import in_huge_pages
 from .linear import backend
+from .native_backend import MAX_KERNEL_ROWS
 
 
 class CpuInt4MoEMethod(FusedMoEMethodBase):
@@ -112,6 +113,10 @@ def experts_forward(
     """The routed experts of layer `layer_name` on bf16 x [T, H] (run_experts)."""
     layer = _LAYERS[layer_name]
     config = layer.quant_method.config
+    if _in_one_native_call(layer, topk_ids):
+        return layer.int4_backend.silu_experts(
+            x, topk_weights, topk_ids, layer.int4_w13, layer.int4_w2, config
+        )
     return run_experts(
         x,
         topk_weights,
@@ -122,6 +127,19 @@ def experts_forward(
         layer.activation,
         layer.moe_config.is_act_and_mul,
         layer.apply_router_weight_on_input,
+    )
+
+
+def _in_one_native_call(layer, topk_ids: torch.Tensor) -> bool:
+    """Whether the native backend runs this batch's experts in one call: SiLU-gated experts, the
+    router's weight on the output, and few enough (token, expert) pairs that every expert takes
+    the kernel (decode). Its Python glue otherwise cost ~96 us a layer at one token."""
+    return (
+        hasattr(layer.int4_backend, "silu_experts")
+        and layer.activation == MoEActivation.SILU
+        and layer.moe_config.is_act_and_mul
+        and not layer.apply_router_weight_on_input
+        and topk_ids.numel() < MAX_KERNEL_ROWS
     )
 
 

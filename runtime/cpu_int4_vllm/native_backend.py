@@ -65,6 +65,24 @@ def grouped_linear(x: torch.Tensor, experts, groups: list[tuple[int, int, int]],
     return out
 
 
+def silu_experts(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13, w2, config
+) -> torch.Tensor:
+    """moe.run_experts for SiLU-gated experts, router weights on the output, in one native call;
+    for fewer than MAX_KERNEL_ROWS (token, expert) pairs, so every expert runs on the kernel."""
+    return torch.ops.cpu_int4_native.silu_experts(
+        x,
+        topk_weights,
+        topk_ids,
+        w13.int4_packed,
+        w13.scales_and_zeros,
+        w2.int4_packed,
+        w2.scales_and_zeros,
+        config.group_size,
+        native.isa(),
+    )
+
+
 def _many_rows_gemm(
     rows: torch.Tensor,
     packed: torch.Tensor,

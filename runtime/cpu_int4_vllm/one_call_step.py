@@ -11,7 +11,7 @@ the engine core then skips `sample_tokens` (`EngineCore.step`). Steps with struc
 keep the two calls, and so do engines that overlap batches (pipeline parallelism, async
 scheduling): their `step_with_batch_queue` calls `sample_tokens` whatever `execute_model`
 returned. `CPU_INT4_ONE_CALL_STEP=0` turns it off. Measured in README.md
-(`bench/step_calls.py`: cpu_int4 5-8% less time a token).
+(`bench/alternate.py --switch step`: cpu_int4 5-8% less time a token).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Kernel weights in memory advised for transparent huge pages.
 
 A decode step streams every weight once. On 4 KiB pages that stream also walks a page table
-entry per 4 KiB; on 2 MiB pages it does not. Interleaved in one process on the 2-core Zen 4 EPYC
-(/tmp-style A/B, both copies of the same weights), the GEMV took 3-7% less time on huge pages
-for Qwen3-30B-A3B-shaped experts and a 49152 x 2048 head, ~1% for 11008 x 4096 layers.
+entry per 4 KiB; on 2 MiB pages it does not. On the 2-core Zen 4 EPYC the GEMV took 4-10% less
+time a call on huge pages for most shapes (`bench/pages.py`, both copies of the same weights
+interleaved in one process), and a served token 3% (MoE) to 8% (7B-shaped) less
+(`bench/alternate.py --switch pages`).
 
 Many distributions (and these machines) set THP to `madvise`: only memory that asks gets huge
 pages, and PyTorch's allocator asks only under THP_MEM_ALLOC_ENABLE, read once per process. So

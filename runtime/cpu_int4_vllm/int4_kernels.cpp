@@ -487,8 +487,8 @@ at::Tensor int4_gemv_experts(const at::Tensor& x, const at::Tensor& packed, cons
 // down projection; bf16 [T, H] out. The same math as moe.run_experts: (token, k) pairs sorted by
 // expert, w13's products rounded to bf16, silu(gate) * up in fp32 rounded to bf16 (vLLM's
 // silu_and_mul), w2, then per token the k products weighted and summed in fp32, in k order.
-// Only for batches whose experts each get under 64 rows (decode); the Python around it took
-// ~96 us a layer at one token, of which this keeps the two GEMVs.
+// For decode's batches, whose experts each get under 64 rows: it replaces ~15 PyTorch ops and
+// their Python, 7% of a token on the 4-layer Qwen3-30B-A3B-shaped model (bench/alternate.py).
 at::Tensor int4_silu_experts(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                              const at::Tensor& w13_packed, const at::Tensor& w13_sz, const at::Tensor& w2_packed,
                              const at::Tensor& w2_sz, int64_t group_size, int64_t isa) {

@@ -17,6 +17,7 @@ from checks import snr_db
 from cpu_int4.cli import app
 from cpu_int4.dequantized import load_reference_model
 from cpu_int4.quantize import quantize
+from cpu_int4_vllm import native
 from cpu_int4_vllm.format import dequantize, expert_layer, is_router, quantize_minmax
 from safetensors.torch import load_file, save_file
 from serve_once import POSITIONS, launch, result
@@ -210,25 +211,33 @@ def test_expert_kernel_and_dequantize_paths_agree(experts):
     assert snr(batch, exact) >= 40
 
 
-def test_one_native_call_runs_the_experts_as_run_experts_does(experts):
-    """Decode's single call (silu_experts) against run_experts on the same kernels, for 1, 2 and
-    31 tokens (62 pairs, the most it is given). What may differ: silu's exp in its last bits, the
-    order of each token's k sums."""
+@pytest.mark.parametrize("isa", native.supported_isas(), ids=lambda isa: isa.name)
+def test_one_native_call_runs_the_experts_as_run_experts_does(experts, isa):
+    """Decode's single call (silu_experts) on each kernel path the CPU has, against run_experts
+    on the host's, for 1, 2 and 31 tokens (62 pairs, the most it is given). What may differ:
+    silu's exp in its last bits, the order of each token's k sums."""
     from cpu_int4_vllm import native_backend
 
+    native.isa()  # loads the kernels
     w13, w2 = (stacked(w, native_backend, experts.config) for w in (experts.w13, experts.w2))
     for tokens in (1, 2, 31):
         rows = slice(0, tokens)
-        one = native_backend.silu_experts(
-            experts.x[rows], experts.weights[rows], experts.ids[rows], w13, w2, experts.config
+        one = torch.ops.cpu_int4_native.silu_experts(
+            experts.x[rows],
+            experts.weights[rows],
+            experts.ids[rows],
+            w13.int4_packed,
+            w13.scales_and_zeros,
+            w2.int4_packed,
+            w2.scales_and_zeros,
+            experts.config.group_size,
+            int(isa),
         )
         glue = run(experts, rows)
-        same = (one == glue).float().mean().item()
-        print(
-            f"\n{tokens} tokens: {snr_db(glue.float(), one.float()):.1f} dB, {same:.2%} of values identical"
-        )
+        same, db = (one == glue).float().mean().item(), snr_db(glue, one)
+        print(f"\n{isa.name}, {tokens} tokens: {db:.1f} dB, {same:.2%} of values identical")
         assert one.dtype == glue.dtype and one.shape == glue.shape
-        assert snr_db(glue.float(), one.float()) >= 50
+        assert db >= 50
         assert same >= 0.9
 
 

@@ -20,7 +20,7 @@ def int4_memory_report(model: torch.nn.Module) -> dict:
     from cpu_int4_vllm.linear import CpuInt4LinearMethod
     from cpu_int4_vllm.moe import CpuInt4MoEMethod
 
-    modules = {}
+    modules, ranges = {}, advised_ranges()
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         if isinstance(method, CpuInt4MoEMethod):
@@ -39,7 +39,7 @@ def int4_memory_report(model: torch.nn.Module) -> dict:
             "packed_bytes_held": held,
             "backend": module.int4_backend.NAME if hasattr(module, "int4_backend") else None,
             "tensors": sorted(n for n, _ in module.named_parameters()),
-            "huge_pages": {n: huge_page_bytes(t) for n, t in module.named_parameters()},
+            "huge_pages": {n: huge_page_bytes(t, ranges) for n, t in module.named_parameters()},
         }
     # named_modules() lists a shared module once: a tied head shows up under the table's name.
     head = getattr(model, "lm_head", None)
@@ -47,12 +47,14 @@ def int4_memory_report(model: torch.nn.Module) -> dict:
     return {"modules": modules, "lm_head_module": head_name}
 
 
-def huge_page_bytes(tensor: torch.Tensor) -> tuple[int, int]:
-    """(bytes of `tensor` in memory advised MADV_HUGEPAGE, bytes of its whole 2 MiB pages)."""
+def huge_page_bytes(tensor: torch.Tensor, ranges: list[tuple[int, int]] | None = None) -> tuple[int, int]:
+    """(bytes of `tensor` in memory advised MADV_HUGEPAGE, bytes of its whole 2 MiB pages);
+    `ranges`: advised_ranges(), read anew when not given."""
     from cpu_int4_vllm.huge_pages import HUGE_PAGE
 
     start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
-    advised = sum(max(0, min(end, hi) - max(start, lo)) for lo, hi in advised_ranges())
+    ranges = advised_ranges() if ranges is None else ranges
+    advised = sum(max(0, min(end, hi) - max(start, lo)) for lo, hi in ranges)
     return advised, tensor.nbytes // HUGE_PAGE * HUGE_PAGE
 
 

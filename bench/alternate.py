@@ -72,8 +72,9 @@ def use_one_experts_call(worker, on: bool) -> None:
     or always through run_experts' Python."""
     from cpu_int4_vllm import moe
 
-    rule = vars(moe).setdefault("rule_as_built", moe._in_one_native_call)
-    moe._in_one_native_call = rule if on else lambda layer, topk_ids: False
+    if not hasattr(worker, "experts_rule"):
+        worker.experts_rule = moe._in_one_native_call
+    moe._in_one_native_call = worker.experts_rule if on else lambda layer, topk_ids: False
 
 
 SWITCHES = {

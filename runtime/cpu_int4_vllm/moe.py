@@ -83,6 +83,13 @@ class CpuInt4MoEMethod(FusedMoEMethodBase):
                     layer.register_parameter(f"{stem}_{key}", torch.nn.Parameter(tensor, requires_grad=False))
             setattr(layer, f"int4_{stem}", SimpleNamespace(**stacked))
         layer.int4_backend = backend()
+        # What decides whether decode's batches can take one native call; fixed per layer.
+        layer.int4_silu_experts = (
+            hasattr(layer.int4_backend, "silu_experts")
+            and layer.activation == MoEActivation.SILU
+            and layer.moe_config.is_act_and_mul
+            and not layer.apply_router_weight_on_input
+        )
         del layer.int4_loaded
         _LAYERS[layer.layer_name] = layer
 
@@ -133,15 +140,10 @@ def experts_forward(
 
 def _in_one_native_call(layer, topk_ids: torch.Tensor) -> bool:
     """Whether the native backend runs this batch's experts in one call: SiLU-gated experts, the
-    router's weight on the output, and few enough (token, expert) pairs that every expert takes
-    the kernel (decode). run_experts' ops and Python took 7% of a token on the MoE benchmark."""
-    return (
-        hasattr(layer.int4_backend, "silu_experts")
-        and layer.activation == MoEActivation.SILU
-        and layer.moe_config.is_act_and_mul
-        and not layer.apply_router_weight_on_input
-        and topk_ids.numel() < MAX_KERNEL_ROWS
-    )
+    router's weight on the output (layer.int4_silu_experts), and few enough (token, expert) pairs
+    that every expert takes the kernel (decode). run_experts' ops and Python took 7% of a token
+    on the MoE benchmark."""
+    return layer.int4_silu_experts and topk_ids.numel() < MAX_KERNEL_ROWS
 
 
 # experts_forward as an opaque op: vLLM's compiled mode traced into it and stopped at the

@@ -2,7 +2,7 @@
 TP=1 vs TP=2, cpu_int4 under different thread settings, or a mixture-of-experts model.
 
     .venv/bin/python bench/serve.py [--rounds 3] [--layers 4]
-                                       [--compare int4|spin|tp|threads|moe|nice|step]
+                                       [--compare int4|modes|spin|tp|threads|moe|nice|step]
                                        [--compiled]
 
 The model: 4 Llama-2-7B-shaped layers (hidden 4096, MLP 11008, vocab 49152, untied head),
@@ -30,7 +30,7 @@ default binding (`auto`: a core kept for the engine per rank). `--compare step` 
 and cpu_int4 with one call from the engine core to the worker a step and with vLLM's two
 (CPU_INT4_ONE_CALL_STEP=0, one_call_step.py); bench/alternate.py --switch step compares the two in one engine.
 `--compiled` serves in vLLM's default mode (torch.compile), as `vllm serve` does without flags,
-instead of eager.
+instead of eager. `--compare modes` serves the cpu_int4 model both ways, beside llama.cpp.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ class Run:
     tp: int = 1
     bind: str = "nobind"  # VLLM_CPU_OMP_THREADS_BIND
     env: tuple[tuple[str, str], ...] = ()
+    compiled: bool = False  # vLLM's default mode (torch.compile) whatever --compiled says
 
 
 LLAMA_CPP = {"llama.cpp Q4_K_M": Run("Q4_K_M"), "llama.cpp Q4_0": Run("Q4_0")}
@@ -100,6 +101,11 @@ COMPARISONS = {
         "cpu_int4, libgomp's default spin": Run("int4", env=((OPENMP_SPIN, "300000"),)),
         "cpu_int4, engine nice 19": Run("int4", env=((ENGINE_NICE, "19"),)),
         "cpu_int4, vLLM's engine spin": Run("int4", env=((ENGINE_WAIT, "spin"),)),
+    },
+    "modes": {
+        "cpu_int4 eager": Run("int4"),
+        "cpu_int4 compiled": Run("int4", compiled=True),
+        **LLAMA_CPP,
     },
     "tp": {"cpu_int4 TP=1": Run("int4"), "cpu_int4 TP=2": Run("int4", tp=2, bind="0|1")},
     "threads": {
@@ -290,7 +296,8 @@ def main() -> None:
     for round_ in range(args.rounds):
         order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
         for name in order:
-            results[name].append(run_worker(checkpoints[runs[name].checkpoint], runs[name], args.compiled))
+            run = runs[name]
+            results[name].append(run_worker(checkpoints[run.checkpoint], run, args.compiled or run.compiled))
             print(f"round {round_ + 1} {name}: {results[name][-1]}", file=sys.stderr, flush=True)
     print_table(results)
     describe(runs, results)

@@ -84,7 +84,7 @@ class Run:
     tp: int = 1
     bind: str = "nobind"  # VLLM_CPU_OMP_THREADS_BIND
     env: tuple[tuple[str, str], ...] = ()
-    compiled: bool = False  # vLLM's default mode (torch.compile) whatever --compiled says
+    compiled: bool | None = None  # True: torch.compile, False: eager, None: as --compiled says
 
 
 LLAMA_CPP = {"llama.cpp Q4_K_M": Run("Q4_K_M"), "llama.cpp Q4_0": Run("Q4_0")}
@@ -103,7 +103,7 @@ COMPARISONS = {
         "cpu_int4, vLLM's engine spin": Run("int4", env=((ENGINE_WAIT, "spin"),)),
     },
     "modes": {
-        "cpu_int4 eager": Run("int4"),
+        "cpu_int4 eager": Run("int4", compiled=False),
         "cpu_int4 compiled": Run("int4", compiled=True),
         **LLAMA_CPP,
     },
@@ -297,7 +297,8 @@ def main() -> None:
         order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
         for name in order:
             run = runs[name]
-            results[name].append(run_worker(checkpoints[run.checkpoint], run, args.compiled or run.compiled))
+            compiled = args.compiled if run.compiled is None else run.compiled
+            results[name].append(run_worker(checkpoints[run.checkpoint], run, compiled))
             print(f"round {round_ + 1} {name}: {results[name][-1]}", file=sys.stderr, flush=True)
     print_table(results)
     describe(runs, results)

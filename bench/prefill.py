@@ -1,7 +1,7 @@
-"""One large batch through one layer: vLLM's bf16 GEMM against cpu_int4's paths for batches
-over 256 rows, in ms per call.
+"""One batch through one layer: vLLM's bf16 GEMM against cpu_int4's paths, in ms per call, for
+the row counts of many decoding streams and of prefills.
 
-    .venv/bin/python bench/prefill.py [--rows 512] [--rounds 5]
+    .venv/bin/python bench/prefill.py [--rows 16 64 512] [--rounds 5]
 
 Layers: the Llama-7B shapes (11008 x 4096, 4096 x 11008, 4096 x 4096; g64), random weights.
 Columns: vLLM's bf16 linear as its CPU build runs it (oneDNN on weights packed at load,
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
 import statistics
 import time
@@ -55,17 +56,17 @@ def int4_linear(x, lanes, sz, amx: bool):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=512)
+    parser.add_argument("--rows", type=int, nargs="+", default=[16, 64, 512])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     has_amx = native.amx()
-    print("| N x K | vLLM bf16 (oneDNN, prepacked) | cpu_int4 | cpu_int4, no AMX kernel | int4 / bf16 time |")
-    print("|---|---|---|---|---|")
-    for n, k in SHAPES:
+    print("| rows | N x K | vLLM bf16 (oneDNN, prepacked) | cpu_int4 | cpu_int4, no AMX kernel | int4 / bf16 time |")
+    print("|---|---|---|---|---|---|")
+    for rows, (n, k) in itertools.product(args.rows, SHAPES):
         weight = torch.randn(n, k) * 0.02
         lanes, sz = pack_native(*quantize_minmax(weight, G))
         handler = vllm_ops.create_onednn_mm(weight.bfloat16().t(), 32)
-        x = torch.randn(args.rows, k).bfloat16()
+        x = torch.randn(rows, k).bfloat16()
         columns = {
             "bf16": functools.partial(vllm_ops.onednn_mm, handler, x, None),
             "int4": int4_linear(x, lanes, sz, has_amx),
@@ -79,8 +80,8 @@ def main() -> None:
         ms = {name: statistics.median(t) for name, t in times.items()}
         no_amx = f"{ms['no amx']:.2f}" if has_amx else "(no AMX on this CPU)"
         ratio = ms["int4"] / ms["bf16"]
-        print(f"| {n} x {k} | {ms['bf16']:.2f} | {ms['int4']:.2f} | {no_amx} | {ratio:.2f} |")
-    print(f"{args.rows} rows; {cpu_description()}")
+        print(f"| {rows} | {n} x {k} | {ms['bf16']:.2f} | {ms['int4']:.2f} | {no_amx} | {ratio:.2f} |")
+    print(cpu_description())
 
 
 if __name__ == "__main__":

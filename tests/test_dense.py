@@ -9,20 +9,15 @@ import sys
 import pytest
 import torch
 from checks import quantized
-from cpu_int4_vllm import dense
+from cpu_int4_vllm import dense, native
 from cpu_int4_vllm.format import dequantize
-from cpu_int4_vllm.native_backend import native_linear
+from cpu_int4_vllm.native_backend import _many_rows_gemm
 from cpu_int4_vllm.native_layout import pack_native
 
 
-def test_fp32_everywhere_without_a_fast_bf16_gemm():
-    dtypes = {dense.dense_dtype(rows, bf16_is_fast=False) for rows in (1, 64, 256, 257, 4096)}
-    assert dtypes == {torch.float32}
-
-
-def test_bf16_only_for_large_batches_with_a_fast_bf16_gemm():
-    assert dense.dense_dtype(dense.FP32_MAX_ROWS, bf16_is_fast=True) == torch.float32
-    assert dense.dense_dtype(dense.FP32_MAX_ROWS + 1, bf16_is_fast=True) == torch.bfloat16
+def test_the_dtype_is_the_fast_gemm_s():
+    assert dense.dense_dtype(bf16_is_fast=False) == torch.float32
+    assert dense.dense_dtype(bf16_is_fast=True) == torch.bfloat16
 
 
 @pytest.mark.parametrize("forced", ["0", "1"])
@@ -40,7 +35,7 @@ def test_the_host_answer_follows_its_bf16_instructions():
 
 
 @pytest.mark.parametrize("bf16_is_fast", [False, True])
-def test_a_large_prefill_multiplies_in_the_chosen_dtype(bf16_is_fast, monkeypatch):
+def test_the_dense_path_multiplies_in_the_chosen_dtype(bf16_is_fast, monkeypatch):
     monkeypatch.setattr(dense, "fast_bf16_gemm", lambda: bf16_is_fast)
     packed, scale, zero = quantized(512, 1024, 64)
     lanes, sz = pack_native(packed, scale, zero)
@@ -48,7 +43,7 @@ def test_a_large_prefill_multiplies_in_the_chosen_dtype(bf16_is_fast, monkeypatc
     weight = dequantize(packed, scale, zero, 64, torch.float32)
     in_fp32 = (x.float() @ weight.t()).bfloat16()
     in_bf16 = x @ weight.bfloat16().t()
-    out = native_linear(x, lanes, sz, 64)
+    out = _many_rows_gemm(x, lanes, sz, 64, native.isa()).bfloat16()
     closer, farther = (in_bf16, in_fp32) if bf16_is_fast else (in_fp32, in_bf16)
     assert (out == closer).float().mean() > 0.95
     assert (out == farther).float().mean() < 0.9

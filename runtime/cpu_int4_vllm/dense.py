@@ -7,8 +7,6 @@ import os
 
 import torch
 
-FP32_MAX_ROWS = 256  # on hosts with a fast bf16 GEMM, batches up to this size still compute in fp32
-
 
 @functools.cache
 def fast_bf16_gemm() -> bool:
@@ -25,15 +23,16 @@ def fast_bf16_gemm() -> bool:
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
-def dense_dtype(rows: int, bf16_is_fast: bool | None = None) -> torch.dtype:
-    """fp32, except for batches over FP32_MAX_ROWS rows on a host with a fast bf16 GEMM.
+def dense_dtype(bf16_is_fast: bool | None = None) -> torch.dtype:
+    """bf16 on a host with a fast bf16 GEMM, else fp32.
 
-    In fp32, weights and accumulation are what the kernels compute, so a prompt gives the same
-    tokens alone and in a batch (bf16 weights differed from the kernel at ~52 dB SNR and
-    changed greedy tokens). Large prefills take the bf16 GEMM where it is 3-4x faster than
-    fp32; elsewhere bf16 would be 4x slower and lose fidelity too (96.9% served top-1 agreement
-    on an AVX2 host, under the 97% floor).
+    In bf16 a prefill runs at the GEMM's full rate: on 2 Zen 5 cores (11008 x 4096, bench/
+    prefill.py) 64-512 rows through a dequantized bf16 W^T took 13.5-74 ms where fp32 took
+    48-282 ms. Its rows then differ from the kernel's by bf16 rounding of the weights (~52 dB),
+    as vLLM's own bf16 engine differs between batch shapes. Without a fast bf16 GEMM, bf16
+    would be 4x slower than fp32 and lose fidelity too (96.9% served top-1 agreement on an
+    AVX2 host, under the 97% floor).
     """
     if bf16_is_fast is None:
         bf16_is_fast = fast_bf16_gemm()
-    return torch.bfloat16 if bf16_is_fast and rows > FP32_MAX_ROWS else torch.float32
+    return torch.bfloat16 if bf16_is_fast else torch.float32

@@ -55,7 +55,7 @@ enum class Isa : int64_t { kAvx2 = 1, kAvx512Bf16 = 2, kAvx512 = 3 };
 
 constexpr int kBlock = 16;         // output rows per block, one per lane of a 512-bit vector
 constexpr int kStep = 8;           // codes per lane per int32
-constexpr int kMaxRowsAtOnce = 3;  // input rows sharing one unpack (see Kernel below)
+constexpr int kMaxRowsAtOnce = 6;  // input rows sharing one unpack (see Kernel below)
 // Adjacent blocks per unit of parallel work, streamed side by side (see Kernel below).
 constexpr int kMaxBlocksAtOnce = 4;
 // Steps (64 bytes each) to prefetch ahead: 2 KiB ahead took the 4-layer 7B-shaped model from
@@ -232,6 +232,118 @@ AVX512 void block_avx512(const Problem& P, int64_t blk, int64_t m0, float* y) {
     for (int b = 0; b < NB; ++b) _mm512_storeu_ps(y + m * P.N + (blk + b) * kBlock, out[m][b]);
 }
 
+// ------------------------------------------------ AVX-512 BF16: x stays bf16, codes become bf16
+// One vpermw turns a lane's code pair into the bf16 pair (q - 8, q' - 8), exact, and one vdpbf16ps
+// per row multiplies it by x's pair (exact products, fp32 sums): the unpack is shared by every
+// row, so a row costs 4 dot products per 128 weights where the int16 route costs ~9 operations.
+// Per group: y += s * sum(x (q - 8)) + z * sum(x), which is w = (q - 8) * s + z.
+alignas(64) constexpr uint16_t kCentredBf16[32] = {
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,  // -8 .. -1
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,  // 0 .. 7
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,  // again: index bit 4 is the next code's
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+
+AVX512_BF16 inline __m512bh centred_pair(__m512i codes, int t, __m512i table) {
+  // vpermw reads 5 bits of each index and the table repeats at 16: no mask is needed.
+  return (__m512bh)_mm512_permutexvar_epi16(t == 0 ? codes : _mm512_srli_epi32(codes, 4 * t), table);
+}
+
+constexpr int64_t kPanelSteps = 32;  // steps of K in a panel: 4 blocks' pairs are 32 KiB, in L1
+
+// Groups [g0, g1) of rows [m0, m0 + MR) by blocks [blk, blk + NB), added to y (the output's row
+// m0, row stride P.N). P.xw is x itself here: bf16 [M][K], the pair (k, k+1) in the halves of an
+// int32. The weights come unpacked from the codes, or with kFromPanel from `panel`, where
+// unpack_panel put them for groups from g0 on ([step][pair t][kMaxBlocksAtOnce][16 lanes]).
+// Either way each row sees the same operations in the same order, whatever M: the same bits.
+template <int MR, int NB, bool kFromPanel>
+AVX512_BF16 void bf16_groups(const Problem& P, const __m512i* panel, int64_t blk, int64_t m0, int64_t g0, int64_t g1,
+                             float* y) {
+  const int64_t steps = P.g / kStep, pairs = P.K / 2;
+  const __m512i table = _mm512_load_si512(kCentredBf16);
+  for (int64_t gi = g0; gi < g1; ++gi) {
+    __m512 acc[MR][NB];
+    for (int m = 0; m < MR; ++m)
+      for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
+    for (int64_t c = gi * steps; c < (gi + 1) * steps; ++c) {
+      if constexpr (!kFromPanel)
+        for (int b = 0; b < NB; ++b)
+          _mm_prefetch(ahead<NB>(P.packed + (blk + b) * (P.K / kStep) * kBlock, c, P.K / kStep), _MM_HINT_T0);
+      // Each x pair is broadcast once and meets the NB blocks' weights in registers: a broadcast
+      // operand on every vdpbf16ps ran at half the rate.
+      for (int t = 0; t < 4; ++t) {
+        __m512bh w[NB];
+        for (int b = 0; b < NB; ++b) {
+          if constexpr (kFromPanel)
+            w[b] = (__m512bh)_mm512_load_si512(panel + ((c - g0 * steps) * 4 + t) * kMaxBlocksAtOnce + b);
+          else
+            w[b] = centred_pair(_mm512_loadu_si512(P.packed + ((blk + b) * (P.K / kStep) + c) * kBlock), t, table);
+        }
+        for (int m = 0; m < MR; ++m) {
+          const __m512bh xp = (__m512bh)_mm512_set1_epi32(P.xw[(m0 + m) * pairs + 4 * c + t]);
+          for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], w[b], xp);
+        }
+      }
+    }
+    for (int b = 0; b < NB; ++b) {
+      const uint16_t* szg = P.sz + ((blk + b) * P.G + gi) * 2 * kBlock;
+      const __m512 s = load_bf16x16(szg), z = load_bf16x16(szg + kBlock);
+      for (int m = 0; m < MR; ++m) {
+        const __m512 xs = _mm512_set1_ps(P.xsum[(m0 + m) * P.G + gi]);
+        float* ym = y + m * P.N + (blk + b) * kBlock;
+        _mm512_storeu_ps(ym, _mm512_add_ps(_mm512_loadu_ps(ym), _mm512_fmadd_ps(s, acc[m][b], _mm512_mul_ps(z, xs))));
+      }
+    }
+  }
+}
+
+template <int MR, int NB>
+AVX512_BF16 void block_bf16(const Problem& P, int64_t blk, int64_t m0, float* y) {
+  bf16_groups<MR, NB, false>(P, nullptr, blk, m0, 0, P.G, y);
+}
+
+// Steps [c0, c1) of blocks [blk, blk + nb) as bf16 pairs, in bf16_groups' panel layout.
+AVX512_BF16 void unpack_panel(const Problem& P, int64_t blk, int nb, int64_t c0, int64_t c1, __m512i* panel) {
+  const __m512i table = _mm512_load_si512(kCentredBf16);
+  for (int64_t c = c0; c < c1; ++c)
+    for (int b = 0; b < nb; ++b) {
+      const int32_t* wb = P.packed + (blk + b) * (P.K / kStep) * kBlock;
+      _mm_prefetch(ahead<kMaxBlocksAtOnce>(wb, c, P.K / kStep), _MM_HINT_T0);  // the next panel's
+      const __m512i codes = _mm512_loadu_si512(wb + c * kBlock);
+      for (int t = 0; t < 4; ++t)
+        _mm512_store_si512(panel + ((c - c0) * 4 + t) * kMaxBlocksAtOnce + b, (__m512i)centred_pair(codes, t, table));
+    }
+}
+
+using PanelFn = void (*)(const Problem&, const __m512i*, int64_t, int64_t, int64_t, int64_t, float*);
+constexpr int kPanelRows = 6;  // 24 sums, 4 weights, a pair of x: 29 of 32 registers
+const PanelFn kPanelWide[kPanelRows] = {bf16_groups<1, 4, true>, bf16_groups<2, 4, true>, bf16_groups<3, 4, true>,
+                                        bf16_groups<4, 4, true>, bf16_groups<5, 4, true>, bf16_groups<6, 4, true>};
+const PanelFn kPanelOne[kPanelRows] = {bf16_groups<1, 1, true>, bf16_groups<2, 1, true>, bf16_groups<3, 1, true>,
+                                       bf16_groups<4, 1, true>, bf16_groups<5, 1, true>, bf16_groups<6, 1, true>};
+
+// Rows [0, P.M) of y for blocks [b0, b0 + kMaxBlocksAtOnce) on the AVX-512 BF16 path with the
+// weights unpacked once per panel of K for every row, not once per kPanelRows rows.
+void bf16_panels(const Problem& P, int64_t b0, float* y) {
+  const int nb = static_cast<int>(std::min<int64_t>(kMaxBlocksAtOnce, P.N / kBlock - b0));
+  const int64_t steps = P.g / kStep, groups = std::max<int64_t>(1, kPanelSteps / steps);
+  alignas(64) __m512i panel[kPanelSteps * 4 * kMaxBlocksAtOnce];
+  for (int64_t g0 = 0; g0 < P.G; g0 += groups) {
+    const int64_t g1 = std::min(P.G, g0 + groups);
+    unpack_panel(P, b0, nb, g0 * steps, g1 * steps, panel);
+    // Chunks of near-equal size: a last chunk of one row is one dependency chain per block,
+    // and took as long as six rows (7 rows cost 1.6x 6 rows, 4 + 3 cost 1.2x).
+    const int64_t chunks = (P.M + kPanelRows - 1) / kPanelRows;
+    for (int64_t i = 0, m0 = 0; i < chunks; ++i) {
+      const int mr = static_cast<int>((P.M - m0) / (chunks - i));
+      if (nb == kMaxBlocksAtOnce)
+        kPanelWide[mr - 1](P, panel, b0, m0, g0, g1, y + m0 * P.N);
+      else
+        for (int b = 0; b < nb; ++b) kPanelOne[mr - 1](P, panel + b, b0 + b, m0, g0, g1, y + m0 * P.N);
+      m0 += mr;
+    }
+  }
+}
+
 // Rows [m0, m0 + MR) by blocks [blk, blk + NB) into y (the output's row m0, row stride P.N).
 using BlockFn = void (*)(const Problem&, int64_t, int64_t, float*);
 
@@ -251,7 +363,14 @@ const Kernel kAvx512{{block_avx512<1, 4>, block_avx512<2, 4>, block_avx512<3, 4>
                      {4, 4, 4},
                      {block_avx512<1, 1>, block_avx512<2, 1>, block_avx512<3, 1>},
                      3};
-const Kernel kAvx2{{block_avx2<1, 4>, block_avx2<2, 2>, nullptr}, {4, 2, 0}, {block_avx2<1, 1>, block_avx2<2, 1>, nullptr}, 2};
+const Kernel kAvx2{{block_avx2<1, 4>, block_avx2<2, 2>}, {4, 2}, {block_avx2<1, 1>, block_avx2<2, 1>}, 2};
+// 6 rows by 4 blocks: 24 sums, the table, the mask, the codes and a pair in 32 registers.
+const Kernel kBf16{{block_bf16<1, 4>, block_bf16<2, 4>, block_bf16<3, 4>, block_bf16<4, 4>, block_bf16<5, 4>,
+                    block_bf16<6, 4>},
+                   {4, 4, 4, 4, 4, 4},
+                   {block_bf16<1, 1>, block_bf16<2, 1>, block_bf16<3, 1>, block_bf16<4, 1>, block_bf16<5, 1>,
+                    block_bf16<6, 1>},
+                   6};
 
 void check_weights(const at::Tensor& packed, const at::Tensor& sz, int64_t group_size) {
   TORCH_CHECK(packed.dtype() == at::kInt && packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous(),
@@ -361,31 +480,44 @@ AVX2 void int16_blocks(const at::Tensor& xb, int64_t group_size, Inputs& in) {
   }
 }
 
-Inputs gemv_inputs(const at::Tensor& x, int64_t K, int64_t group_size) {
+// The AVX-512 BF16 path reads x as it is (its pairs as int32); the others read int16 blocks.
+Inputs gemv_inputs(const at::Tensor& x, int64_t K, int64_t group_size, Isa path) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.dtype() == at::kBFloat16, "cpu_int4 native: x must be bf16 [M, K]");
   const at::Tensor xb = x.contiguous();
   Inputs in{xb.to(at::kFloat).view({xb.size(0), K / group_size, group_size}).sum(-1).contiguous()};
-  int16_blocks(xb, group_size, in);
+  if (path == Isa::kAvx512Bf16)
+    in.xw = xb.view(at::kInt);
+  else
+    int16_blocks(xb, group_size, in);
   return in;
 }
 
 Problem problem_of(const Inputs& in, const at::Tensor& packed, const at::Tensor& sz, int64_t group_size) {
+  const bool blocks = in.xlo.defined();  // int16 blocks, not bf16 x
   return {in.xw.data_ptr<int32_t>(),
-          in.xlo.data_ptr<int32_t>(),
-          in.xunit.data_ptr<float>(),
-          reinterpret_cast<const uint32_t*>(in.xfix.data_ptr<int32_t>()),
+          blocks ? in.xlo.data_ptr<int32_t>() : nullptr,
+          blocks ? in.xunit.data_ptr<float>() : nullptr,
+          blocks ? reinterpret_cast<const uint32_t*>(in.xfix.data_ptr<int32_t>()) : nullptr,
           in.xsum.data_ptr<float>(),
           packed.data_ptr<int32_t>(),
           reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>()),
           in.xsum.size(0), packed.size(-2) * kStep, packed.size(-3) * kBlock, sz.size(-3), group_size};
 }
 
-// Both AVX-512 paths run the same GEMV; they differ in the dequantize and in AMX.
-const Kernel& kernel_of(Isa path) { return path == Isa::kAvx2 ? kAvx2 : kAvx512; }
+const Kernel& kernel_of(Isa path) {
+  return path == Isa::kAvx2 ? kAvx2 : path == Isa::kAvx512 ? kAvx512 : kBf16;
+}
+
+// The output the kernels write: block_bf16 adds to it, the int16 routines overwrite it.
+at::Tensor gemv_output(const Inputs& in, int64_t N, Isa path) {
+  const auto options = in.xsum.options();
+  return path == Isa::kAvx512Bf16 ? at::zeros({in.xsum.size(0), N}, options) : at::empty({in.xsum.size(0), N}, options);
+}
 
 // Rows [0, P.M) of y (row stride P.N) for blocks [b0, b0 + kMaxBlocksAtOnce) of W's rows
 // (fewer at the layer's end).
 void gemv_blocks(const Kernel& kernel, const Problem& P, int64_t b0, float* y) {
+  if (&kernel == &kBf16 && P.M > kernel.rows) return bf16_panels(P, b0, y);
   const int64_t b1 = std::min(b0 + kMaxBlocksAtOnce, P.N / kBlock);
   for (int64_t m0 = 0; m0 < P.M; m0 += kernel.rows) {
     const int mr = static_cast<int>(std::min<int64_t>(kernel.rows, P.M - m0));
@@ -419,9 +551,9 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
                      int64_t isa) {
   check_weights(packed, sz, group_size);
   const Isa path = checked_isa(isa);
-  const Inputs in = gemv_inputs(x, packed.size(1) * kStep, group_size);
+  const Inputs in = gemv_inputs(x, packed.size(1) * kStep, group_size, path);
   const Problem P = problem_of(in, packed, sz, group_size);
-  at::Tensor y = at::empty({P.M, P.N}, in.xsum.options());
+  at::Tensor y = gemv_output(in, P.N, path);
   float* yp = y.data_ptr<float>();
   const int64_t units = (packed.size(0) + kMaxBlocksAtOnce - 1) / kMaxBlocksAtOnce;
   parallel_items(units, [&](int64_t u) { gemv_blocks(kernel_of(path), P, u * kMaxBlocksAtOnce, yp); });
@@ -440,9 +572,9 @@ at::Tensor grouped_gemv(const at::Tensor& x, const at::Tensor& packed, const at:
               "cpu_int4 native: experts' packed [E, N/16, K/8, 16] and sz [E, N/16, K/g, 2, 16] expected");
   check_weights(packed[0], sz[0], group_size);
   TORCH_CHECK(packed.is_contiguous() && sz.is_contiguous(), "cpu_int4 native: experts' tensors must be contiguous");
-  const Inputs in = gemv_inputs(x, packed.size(2) * kStep, group_size);
+  const Inputs in = gemv_inputs(x, packed.size(2) * kStep, group_size, path);
   const Problem whole = problem_of(in, packed, sz, group_size);
-  at::Tensor y = at::empty({whole.M, whole.N}, in.xsum.options());
+  at::Tensor y = gemv_output(in, whole.N, path);
   const int64_t blocks = packed.size(1), expert_stride = packed[0].numel(), sz_stride = sz[0].numel();
   struct Part {
     Problem P;
@@ -456,9 +588,11 @@ at::Tensor grouped_gemv(const at::Tensor& x, const at::Tensor& packed, const at:
                 "cpu_int4 native: group (", expert, ", ", start, ", ", count, ") is out of range");
     Problem P = whole;
     P.xw += start * P.K / 2;
-    P.xlo += start * P.K / 2;
-    P.xunit += start * P.K / kStep;
-    P.xfix += start * P.G;
+    if (P.xlo != nullptr) {
+      P.xlo += start * P.K / 2;
+      P.xunit += start * P.K / kStep;
+      P.xfix += start * P.G;
+    }
     P.xsum += start * P.G;
     P.packed += expert * expert_stride;
     P.sz += expert * sz_stride;

@@ -7,6 +7,9 @@ with the right output shape and never guards on the row count.
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import torch
 
 from . import native
@@ -15,10 +18,10 @@ from .dense import dense_dtype
 from .native_layout import BLOCK_ROWS, pack_native
 
 NAME = "native"
-# The kernel unpacks once per 3 rows but multiplies per row, so it is compute-bound above one
-# row; on 2 cores (4096x4096, g64) it took 3.1 ms for 16 rows and 12.9 ms for 64, where
-# dequantizing to fresh memory + fp32 GEMM took ~20 ms (before the GEMM was sliced). Below
-# this many rows it also gives a row the same bits whatever the batch.
+# From this many rows the int16 paths (AVX2, AVX-512F) hand a batch to the dense path: they
+# unpack once per 2-3 rows and multiply per row, so they are compute-bound above one row; on
+# 2 cores (4096x4096, g64) they took 3.1 ms for 16 rows and 12.9 ms for 64, where dequantizing
+# to fresh memory + fp32 GEMM took ~20 ms (before the GEMM was sliced).
 MAX_KERNEL_ROWS = 64
 DEQUANT_SLICE_BLOCKS = 64  # 1024 columns of W^T per slice: 8-22 MiB for K = 4096-11008 in bf16
 
@@ -35,15 +38,24 @@ def linear(x: torch.Tensor, layer, config) -> torch.Tensor:
     return fn(x, layer.int4_packed, layer.scales_and_zeros, config.group_size)
 
 
-def native_linear(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
-    """y = x @ W.T for bf16 x [..., K] on the native layout (native_layout.py).
+@functools.cache
+def kernel_row_limit() -> int:
+    """Batches of this many rows or more take _many_rows_gemm, fewer the kernel.
 
-    Fewer than MAX_KERNEL_ROWS rows take the kernel (no AMX, so multi-row calls are safe);
-    more take _many_rows_gemm.
+    The AVX-512 BF16 kernel takes every batch where there is no AMX kernel: it multiplies bf16
+    pairs at the dot-product rate and unpacks a panel once for all rows, so on 2 Zen 5 cores
+    (bench/prefill.py, 7B shapes) 64-512 rows took 1.15-1.4x the time of vLLM's oneDNN bf16
+    GEMM, where a dequantized bf16 W^T took 1.3-2.1x. A row then gets the same bits in any batch.
     """
+    return sys.maxsize if native.isa() == native.Isa.AVX512_BF16 and not native.amx() else MAX_KERNEL_ROWS
+
+
+def native_linear(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
+    """y = x @ W.T for bf16 x [..., K] on the native layout (native_layout.py): the kernel (no
+    AMX, so multi-row calls are safe) below kernel_row_limit() rows, else _many_rows_gemm."""
     rows = x.reshape(-1, x.shape[-1])
     isa = native.isa()
-    if rows.shape[0] < MAX_KERNEL_ROWS:
+    if rows.shape[0] < kernel_row_limit():
         out = torch.ops.cpu_int4_native.gemv(rows, packed, sz, group_size, isa).to(rows.dtype)
     else:
         out = _many_rows_gemm(rows, packed, sz, group_size, isa)
@@ -53,13 +65,13 @@ def native_linear(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group
 def grouped_linear(x: torch.Tensor, experts, groups: list[tuple[int, int, int]], config) -> torch.Tensor:
     """Rows of bf16 x [M, K] times their expert's W^T, fp32 [M, N]: for each (expert, start,
     count) of `groups`, rows [start, start + count). `experts` holds all experts' kernel tensors
-    stacked [E, ...]. Groups of fewer than MAX_KERNEL_ROWS rows go to the kernel together, in
+    stacked [E, ...]. Groups of fewer than kernel_row_limit() rows go to the kernel together, in
     one call; larger ones go through _many_rows_gemm."""
-    packed, sz, isa = experts.int4_packed, experts.scales_and_zeros, native.isa()
-    small = torch.tensor([g for g in groups if g[2] < MAX_KERNEL_ROWS], dtype=torch.long).view(-1, 3)
+    packed, sz, isa, limit = experts.int4_packed, experts.scales_and_zeros, native.isa(), kernel_row_limit()
+    small = torch.tensor([g for g in groups if g[2] < limit], dtype=torch.long).view(-1, 3)
     out = torch.ops.cpu_int4_native.gemv_experts(x, packed, sz, small, config.group_size, isa)
     for expert, start, count in groups:
-        if count >= MAX_KERNEL_ROWS:
+        if count >= limit:
             rows = slice(start, start + count)
             _many_rows_gemm(x[rows], packed[expert], sz[expert], config.group_size, isa, out[rows])
     return out
@@ -97,7 +109,7 @@ def _many_rows_gemm(
     buffer for the dense GEMM. On 2 cores (512 rows x 4096 x 4096) the slices took 10.7 ms
     against 20.9 ms for the whole W^T in fresh memory (first-touch page faults, then a second
     trip through DRAM); bf16 F.linear took 9.5 ms."""
-    dtype = dense_dtype(rows.shape[0])
+    dtype = dense_dtype()
     if out is None:
         out = rows.new_empty(rows.shape[0], packed.shape[0] * BLOCK_ROWS)
     if dtype == torch.bfloat16 and native.amx():

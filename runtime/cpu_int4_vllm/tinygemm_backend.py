@@ -152,7 +152,7 @@ def int4_linear(
             ]
         )
     else:
-        dtype = dense_dtype(rows.shape[0])
+        dtype = dense_dtype()
         if rowmajor is not None:
             weight = dequantize_kernel_weight(packed, scales_and_zeros, group_size, rowmajor, dtype)
             out = F.linear(rows.to(dtype), weight).to(rows.dtype)

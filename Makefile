@@ -52,9 +52,18 @@ BENCH_VENV ?= .bench-venv
 BENCH_STAMP := $(BENCH_VENV)/.installed
 LLAMA_CPP_PYTHON := 0.3.36
 NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
-bench-deps: $(BENCH_STAMP)
+LLAMA_CPP_SRC := $(BENCH_VENV)/sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
+LLAMA_SERVER := $(BENCH_VENV)/llama-server/bin/llama-server
+bench-deps: $(BENCH_STAMP) $(LLAMA_SERVER)
 
-$(BENCH_STAMP): install
+# llama.cpp's own server (continuous batching, -np slots) for bench/streams.py, from the same sources.
+$(LLAMA_SERVER): $(BENCH_STAMP)
+	cmake -S $(LLAMA_CPP_SRC) -B $(BENCH_VENV)/llama-server -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+	  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+	  -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)' > $(BENCH_VENV)/llama-server.log
+	cmake --build $(BENCH_VENV)/llama-server --target llama-server -j $$(nproc) >> $(BENCH_VENV)/llama-server.log
+
+$(BENCH_STAMP): $(STAMP)
 	test -x $(BENCH_VENV)/bin/python || python3 -m venv $(BENCH_VENV)
 	$(PY) -c "import site; print(site.getsitepackages()[0])" > "$$($(BENCH_VENV)/bin/python -c 'import site; print(site.getsitepackages()[0])')/project-venv.pth"
 	$(BENCH_VENV)/bin/python -m pip download -q --no-deps --no-binary :all: -d $(BENCH_VENV)/sdist llama-cpp-python==$(LLAMA_CPP_PYTHON)

@@ -7,7 +7,7 @@ Converts BF16_DIR (safetensors + config) with the converter bundled in llama-cpp
 taking the tokenizer from TOKENIZER_DIR (the synthetic model has none), quantizes with the
 bindings' `llama_model_quantize`, then times what serve.py times for vLLM: 128 greedy tokens
 after a 16-token prompt (the median of 3 runs), and a 512-token prompt's evaluation. Prints
-one RESULT line (JSON).
+one RESULT line (JSON); with --file-only, just the GGUF's path (bench/streams.py serves it).
 """
 
 from __future__ import annotations
@@ -124,11 +124,16 @@ def main() -> None:
     parser.add_argument("tokenizer_dir", type=Path)
     parser.add_argument("kind", choices=sorted(FTYPES))
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument(
+        "--file-only", action="store_true", help="make the GGUF and print its path, no timing"
+    )
     args = parser.parse_args()
     source = converted(
         args.bf16_dir, args.tokenizer_dir, args.bf16_dir.with_name(args.bf16_dir.name + ".gguf")
     )
-    print("RESULT " + json.dumps(measure(quantized(source, args.kind), args.threads)), flush=True)
+    gguf = quantized(source, args.kind)
+    result = {"gguf": str(gguf)} if args.file_only else measure(gguf, args.threads)
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

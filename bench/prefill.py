@@ -60,7 +60,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     has_amx = native.amx()
-    print("| rows | N x K | vLLM bf16 (oneDNN, prepacked) | cpu_int4 | cpu_int4, no AMX kernel | int4 / bf16 time |")
+    print(
+        "| rows | N x K | vLLM bf16 (oneDNN, prepacked) | cpu_int4 | cpu_int4, no AMX kernel "
+        "| int4 / bf16 time |"
+    )
     print("|---|---|---|---|---|---|")
     for rows, (n, k) in itertools.product(args.rows, SHAPES):
         weight = torch.randn(n, k) * 0.02

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from cpu_int4.dequantized import load_reference_model, with_fp32_products
+from cpu_int4_vllm import native
 from serve_once import GREEDY16, PROMPTS
 
 pytestmark = pytest.mark.vllm  # one engine (or server) shared by the module
@@ -86,15 +87,32 @@ def control(bf16_llm, demo_model, wiki_ids) -> tuple[float, float]:
 AVX2_HOST = {"CPU_INT4_ISA": "avx2", "CPU_INT4_BF16_GEMM": "0"}
 
 
+# The AVX-512F path (Skylake-SP to Ice Lake: int16 kernel, dense path in bf16), forced where
+# this host runs it and it is not already the host's own.
+AVX512F_HOST = {"CPU_INT4_ISA": "avx512"}
+FORCED = {"avx2_host_llm": AVX2_HOST}
+if native.Isa.AVX512 in native.supported_isas() and native.host_isa() != native.Isa.AVX512:
+    FORCED["avx512f_llm"] = AVX512F_HOST
+
+
+def forced_llm(model: Path, env_vars: dict[str, str]):
+    with pytest.MonkeyPatch.context() as env:  # the engine's processes inherit it at start
+        for key, value in env_vars.items():
+            env.setenv(key, value)
+        return make_llm(model)
+
+
 @pytest.fixture(scope="module")
 def avx2_host_llm(demo_quantized):
-    with pytest.MonkeyPatch.context() as env:  # the engine's processes inherit it at start
-        for key, value in AVX2_HOST.items():
-            env.setenv(key, value)
-        return make_llm(demo_quantized)
+    return forced_llm(demo_quantized, AVX2_HOST)
 
 
-@pytest.mark.parametrize("engine", ["quant_llm", "avx2_host_llm"])
+@pytest.fixture(scope="module")
+def avx512f_llm(demo_quantized):
+    return forced_llm(demo_quantized, AVX512F_HOST)
+
+
+@pytest.mark.parametrize("engine", ["quant_llm", *FORCED])
 def test_served_argmax_matches_the_pytorch_reference(engine, request, reference_top1, control, wiki_ids):
     from report import compute_paths
 
@@ -102,6 +120,8 @@ def test_served_argmax_matches_the_pytorch_reference(engine, request, reference_
     paths = llm.apply_model(compute_paths)[0]
     if engine == "avx2_host_llm":
         assert paths == {"isa": "AVX2", "bf16_gemm": False}
+    if engine == "avx512f_llm":
+        assert paths["isa"] == "AVX512"
     q_top, q_lp = vllm_prompt_top1(llm, wiki_ids)
     ref_top, ref_lp = reference_top1[paths["bf16_gemm"]]
     agree = (q_top == ref_top).float().mean().item()
@@ -125,26 +145,25 @@ def test_served_argmax_matches_the_pytorch_reference(engine, request, reference_
     assert dlogprob <= 1.3 * control[1]
 
 
-def test_prompt_alone_and_in_a_batch_agree(quant_llm):
-    """Same greedy tokens alone and in a batch, up to a near-tie. Decode rows get the same bits
-    in any batch, but the batch's prefill (over 63 rows) takes the dense fp32 path and the lone
-    prompt the kernel: both exact products, summed in different orders, so bf16 activations can
-    differ by an ulp. On the AVX2 EPYC, after this module's long prompts, that flipped token 13
-    of 16, where the lone run's top two were 0.125 apart (one bf16 step at that logit): the
-    tokens before a split must match and the split must be such a tie."""
+def same_alone_and_in_a_batch(llm) -> int:
+    """How many of the 8 mixed prompts keep all 16 greedy tokens when served in one batch."""
     from vllm import SamplingParams
 
-    params = SamplingParams(**GREEDY16, logprobs=2)
-    alone = quant_llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
-    batch = quant_llm.generate(PROMPTS, params, use_tqdm=False)
-    assert len({len(p) for p in PROMPTS}) == len(PROMPTS)
+    params = SamplingParams(**GREEDY16)
+    batch = llm.generate(PROMPTS, params, use_tqdm=False)
+    alone = [llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS]
     assert all(len(o.outputs[0].token_ids) == 16 for o in batch)
-    together = list(batch[0].outputs[0].token_ids)
-    split = next((i for i, (a, b) in enumerate(zip(alone.token_ids, together, strict=True)) if a != b), None)
-    if split is not None:
-        top_two = sorted((lp.logprob for lp in alone.logprobs[split].values()), reverse=True)[:2]
-        print(f"\nalone and in a batch split at token {split}: top two {top_two}")
-        assert split >= 8 and top_two[0] - top_two[1] < 0.25
+    return sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(alone, batch, strict=True))
+
+
+def test_a_batch_changes_greedy_tokens_no_more_often_than_for_bf16(quant_llm, bf16_llm):
+    """Batch invariance, as vLLM's own bf16 engine has it: a row gets the same bits from the int4
+    kernel in any batch, but prefill in the dense path (AVX2 and AVX-512F hosts, over 63 rows)
+    and vLLM's attention are not bound to, so the count is held to bf16's (Zen 4 EPYC: 7 of 8)."""
+    assert len(set(PROMPTS)) == 8
+    int4, bf16 = same_alone_and_in_a_batch(quant_llm), same_alone_and_in_a_batch(bf16_llm)
+    print(f"\nprompts with the same 16 greedy tokens alone and in a batch of 8: cpu_int4 {int4}, bf16 {bf16}")
+    assert int4 >= bf16
 
 
 def test_no_second_packed_copy_and_tied_head_shares_the_table(quant_llm):

@@ -1,5 +1,6 @@
-// cpu_int4's own kernels: the decode GEMV y = x @ W^T for a few bf16 rows x with W in 4-bit
-// groups, the dequantize for prefill, and the quantizer's min/max quantize.
+// cpu_int4's own kernels: y = x @ W^T for bf16 rows x with W in 4-bit groups (decode, many
+// streams, and on the AVX-512 BF16 path prefill too), the dequantize for the dense path, and the
+// quantizer's min/max quantize.
 //
 // Runtime layout (built by native_layout.pack_native from the checkpoint's row-major nibbles; nothing
 // on disk changes):
@@ -10,21 +11,28 @@
 // sum is ever needed. Per group and row: y += s * sum(x*q) + (z - 8s) * sum(x), which is
 // w = (q - 8) * s + z (docs/format.md) with the zero folded out of the inner loop.
 //
-// The slot order puts codes k and k+1 in bits 4t and 16+4t, so one shift and one mask give a
-// lane with the two codes as its two int16 halves. They meet x as int16: x is cut into blocks
-// of 8 that share a power of two, each value an integer below 2^15, so one vpmaddwd gives
-// q[k] x[k] + q[k+1] x[k+1] per lane exactly in int32, four of them sum a step's 8 codes, and
-// one convert and one FMA per step apply the power of two. bf16 holds 8 significant bits, so
-// every value within 2^7 of its block's largest is exact; what smaller ones lose is kept as a
-// second int16 block 2^15 finer, which the kernel adds for just the steps that have one (6% of
-// blocks of Gaussian x, 28% of silu(g) * u): products exact to 2^-30 of the block's largest.
-// Every path runs this, on 8 lanes (AVX2) or 16 (AVX-512), so all give the same bits.
+// The slot order puts codes k and k+1 in bits 4t and 16+4t, so one shift gives a lane with the
+// two codes in its two 16-bit halves. Two ways to multiply them:
+// - int16 (AVX2, AVX-512F): x is cut into blocks of 8 that share a power of two, each value an
+//   integer below 2^15, so one vpmaddwd gives q[k] x[k] + q[k+1] x[k+1] per lane exactly in
+//   int32, four of them sum a step's 8 codes, and one convert and one FMA per step apply the
+//   power of two. bf16 holds 8 significant bits, so every value within 2^7 of its block's
+//   largest is exact; what smaller ones lose is kept as a second int16 block 2^15 finer, which
+//   the kernel adds for just the steps that have one (6% of blocks of Gaussian x, 28% of
+//   silu(g) * u): products exact to 2^-30 of the block's largest. AVX-512F runs AVX2's
+//   operations on 16 lanes instead of 8: the same bits.
+// - bf16 (AVX-512 BF16): one vpermw maps the code pair to the bf16 pair (q - 8, q' - 8), and one
+//   vdpbf16ps per row multiplies it by x's own bf16 pair, exact products summed in fp32. The
+//   unpack is shared by up to 6 rows in registers, or by every row once a panel of it is kept
+//   in L1, so a row costs 4 dot products per 128 weights where int16 costs ~9 operations: on 2
+//   Zen 5 cores 4-32 rows ran 1.5x the int16 path's speed, and 64-512 rows at 600-720 GFLOPS
+//   (vLLM's oneDNN bf16 GEMM: 850-950). At 1-2 rows both read DRAM at the same rate there.
+//   (An earlier bf16 route, 128 + q by OR and a broadcast operand per dot product, took 4x
+//   vpmaddwd's time in a probe on Sapphire Rapids; this one is not yet measured there.)
 //
 // Measured against the alternatives: masking each nibble to fp32 (a mask, a convert and an FMA
 // per 8 weights) computed 11.7 GB/s on a Zen 3 core with the layer in cache, under the core's
-// DRAM read; this computes 16. On Sapphire Rapids, AVX-512 BF16's dot product on (128 + q)
-// pairs took 4x the time of vpmaddwd (a probe, 12 independent sums), and 16 lanes of this read
-// DRAM 5-7% faster than it at 1-2 rows and 20% at 4 (bench/kernel.py's layers, interleaved).
+// DRAM read; int16 computes 16.
 //
 // Every row is computed with the same operations in the same order whatever M is, so a
 // sequence's logits do not depend on what else is in the batch.

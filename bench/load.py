@@ -59,9 +59,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(model: Path, log: Path, name: str = "model", kv_gib: int = 2):
-    """`vllm serve MODEL` on 127.0.0.1 (eager, `kv_gib` GiB of KV cache); yields the base URL and
-    the server's process, stops it after."""
+def serve(model: Path, log: Path, name: str = "model", kv_gib: int = 2, tokenizer: Path | None = None):
+    """`vllm serve MODEL` on 127.0.0.1 (eager, `kv_gib` GiB of KV cache; the tokenizer from
+    `tokenizer` if the model has none); yields the base URL and the server's process, stops it
+    after."""
     port = free_port()
     vllm = Path(sys.executable).with_name("vllm")
     cmd = [
@@ -77,6 +78,7 @@ def serve(model: Path, log: Path, name: str = "model", kv_gib: int = 2):
         "2048",
         "--served-model-name",
         name,
+        *(["--tokenizer", str(tokenizer)] if tokenizer else []),
     ]
     env = {
         **os.environ,

@@ -59,7 +59,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(model: Path, log: Path, name: str = "model", kv_gib: int = 2, tokenizer: Path | None = None):
+def serve(
+    model: Path,
+    log: Path,
+    name: str = "model",
+    kv_gib: int = 2,
+    tokenizer: Path | None = None,
+    max_model_len: int = 2048,
+):
     """`vllm serve MODEL` on 127.0.0.1 (eager, `kv_gib` GiB of KV cache; the tokenizer from
     `tokenizer` if the model has none); yields the base URL and the server's process, stops it
     after."""
@@ -75,7 +82,7 @@ def serve(model: Path, log: Path, name: str = "model", kv_gib: int = 2, tokenize
         str(port),
         "--enforce-eager",
         "--max-model-len",
-        "2048",
+        str(max_model_len),
         "--served-model-name",
         name,
         *(["--tokenizer", str(tokenizer)] if tokenizer else []),

@@ -61,8 +61,8 @@ def main() -> None:
     args = parser.parse_args()
     has_amx = native.amx()
     print(
-        "| rows | N x K | vLLM bf16 (oneDNN, prepacked) | cpu_int4 | cpu_int4, no AMX kernel "
-        "| int4 / bf16 time |"
+        "| rows | N x K | vLLM bf16 (oneDNN, prepacked): ms (GFLOPS) | cpu_int4: ms (GFLOPS) "
+        "| cpu_int4, no AMX kernel | int4 / bf16 time |"
     )
     print("|---|---|---|---|---|---|")
     for rows, (n, k) in itertools.product(args.rows, SHAPES):
@@ -83,7 +83,11 @@ def main() -> None:
         ms = {name: statistics.median(t) for name, t in times.items()}
         no_amx = f"{ms['no amx']:.2f}" if has_amx else "(no AMX on this CPU)"
         ratio = ms["int4"] / ms["bf16"]
-        print(f"| {rows} | {n} x {k} | {ms['bf16']:.2f} | {ms['int4']:.2f} | {no_amx} | {ratio:.2f} |")
+        gflops = {name: 2 * rows * n * k / t / 1e6 for name, t in ms.items()}
+        print(
+            f"| {rows} | {n} x {k} | {ms['bf16']:.2f} ({gflops['bf16']:.0f}) "
+            f"| {ms['int4']:.2f} ({gflops['int4']:.0f}) | {no_amx} | {ratio:.2f} |"
+        )
     print(cpu_description())
 
 

@@ -1,6 +1,8 @@
-"""Many users at once: servers driven over HTTP at 1, 4, 16 and 32 concurrent streams.
+"""Many users at once: servers driven over HTTP at 1, 4, 16 and 32 concurrent streams, and the
+prefill of a lone prompt of 64 to 2048 tokens.
 
     .venv/bin/python bench/streams.py [--layers 4] [--streams 1 4 16 32] [--rounds 1]
+                                      [--prefill 64 128 256 512 2048] [--servers bf16 int4 ct llama]
 
 Servers, one after the other on this host, on the same weights (bench/synthetic.py's
 Llama-2-7B-shaped layers, random bf16): `vllm serve` of the bf16 checkpoint, of its
@@ -9,12 +11,14 @@ asymmetric, g64; bench/compressed.py) that stock vLLM runs through its CPUWNA16 
 hosts only); and llama.cpp's `llama-server` on the Q4_K_M GGUF, `-np N` slots, continuous
 batching (`make bench-deps` builds it). vLLM servers run eager, as the other benchmarks here.
 
-Each stream: a fixed prompt of 128 random token ids (the same for every server), 128 output
-tokens, greedy, ignore_eos, streamed. `--rounds R` sends R x N requests at concurrency N. Per
-server and stream count: aggregate output tok/s (every output token over the wall time from the
-first request sent to the last token), TTFT p50/p99, the gap between streamed chunks (inter-token
-latency) p50/p99, and the RSS of the server's processes after the run. Ratios to vLLM bf16 follow.
-Prints the CPU's model and ISA flags. Loopback only; every request is bounded in time.
+Each stream: a prompt of 128 random token ids (its own for every request of a run, the same for
+every server), 128 output tokens, greedy, ignore_eos, streamed. `--rounds R` sends R x N
+requests at concurrency N. Per server and stream count: aggregate output tok/s (every output
+token over the wall time from the first request sent to the last token), TTFT p50/p99, the gap
+between streamed chunks (inter-token latency) p50/p99, and the RSS of the server's processes
+after the run. Prefill: prompt length over the time to its first token, alone, the median of 3
+prompts. Ratios to vLLM bf16 follow. Prints the CPU's model and ISA flags. Loopback only;
+every request is bounded in time.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ from serve import BENCH_PYTHON, CACHE, DENSE_MODEL, prepared_models
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_SERVER = ROOT / ".bench-venv" / "llama-server" / "bin" / "llama-server"
 PROMPT_TOKENS = OUTPUT_TOKENS = 128
+PREFILL_REPEATS = 3
+MAX_MODEL_LEN = 4096  # room for the longest prefill asked for
 REQUEST_S = 1800
 
 
@@ -66,16 +72,28 @@ class Row:
     rss_gb: float
 
 
-def prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
+@dataclass
+class Served:
+    """One server's rows, one per stream count, and its prefill tok/s per prompt length."""
+
+    rows: list[Row]
+    prefill: dict[int, float]
+
+
+def prompts(count: int, vocab: int, seed: int, length: int = PROMPT_TOKENS) -> list[list[int]]:
+    """`count` prompts of random token ids; each run uses its own seed, so no server finds a
+    prompt it has already seen in its prefix cache."""
     rng = random.Random(seed)
-    return [[rng.randrange(100, vocab - 100) for _ in range(PROMPT_TOKENS)] for _ in range(count)]
+    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(count)]
 
 
-async def one_stream(client: httpx.AsyncClient, base: str, model: str, prompt: list[int]) -> Stream:
+async def one_stream(
+    client: httpx.AsyncClient, base: str, model: str, prompt: list[int], max_tokens: int = OUTPUT_TOKENS
+) -> Stream:
     body = {
         "model": model,
         "prompt": prompt,
-        "max_tokens": OUTPUT_TOKENS,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
@@ -118,7 +136,7 @@ def tree_rss_gb(proc: subprocess.Popen) -> float:
 
 
 def measure(base: str, proc, streams: int, rounds: int, vocab: int) -> Row:
-    requests = prompts(streams * rounds, vocab)
+    requests = prompts(streams * rounds, vocab, seed=streams)
     start = time.perf_counter()
     done = asyncio.run(drive(base, "model", requests, streams))
     wall = max(s.chunks[-1] for s in done) - start
@@ -132,11 +150,26 @@ def measure(base: str, proc, streams: int, rounds: int, vocab: int) -> Row:
 
 def warm(base: str, vocab: int) -> None:
     """One short request first: the first forward pass pays one-time costs (oneDNN, caches)."""
-    asyncio.run(drive(base, "model", prompts(1, vocab, seed=99), 1))
+    asyncio.run(drive(base, "model", prompts(1, vocab, seed=-1), 1))
+
+
+def prefill_tok_s(base: str, length: int, vocab: int) -> float:
+    """A lone prompt of `length` tokens over its time to first token (one output token), the
+    median of PREFILL_REPEATS prompts."""
+
+    async def ttft(prompt: list[int]) -> float:
+        async with httpx.AsyncClient() as client:
+            stream = await one_stream(client, base, "model", prompt, max_tokens=1)
+        return stream.chunks[0] - stream.sent
+
+    seconds = [
+        asyncio.run(ttft(p)) for p in prompts(PREFILL_REPEATS, vocab, seed=10_000 + length, length=length)
+    ]
+    return length / statistics.median(seconds)
 
 
 @contextlib.contextmanager
-def llama_server(gguf: Path, slots: int, log: Path):
+def llama_server(gguf: Path, slots: int, context: int, log: Path):
     port = free_port()
     cmd = [
         str(LLAMA_SERVER),
@@ -149,7 +182,7 @@ def llama_server(gguf: Path, slots: int, log: Path):
         "-np",
         str(slots),
         "-c",
-        str(slots * (PROMPT_TOKENS + OUTPUT_TOKENS + 16)),
+        str(context),
         "-t",
         str(os.cpu_count()),
         "-a",
@@ -185,51 +218,67 @@ def avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
-def run_vllm(model: Path, label: str, args, vocab: int, kv_gib: int) -> list[Row]:
-    rows = []
-    with serve(model, CACHE / f"streams-{label}.log", kv_gib=kv_gib, tokenizer=demo_tokenizer()) as (
-        base,
-        proc,
-    ):
+def run_vllm(model: Path, label: str, args, vocab: int, kv_gib: int) -> Served:
+    served = Served([], {})
+    log = CACHE / f"streams-{label}.log"
+    with serve(model, log, kv_gib=kv_gib, tokenizer=demo_tokenizer(), max_model_len=MAX_MODEL_LEN) as running:
+        base, proc = running
         warm(base, vocab)
         for n in args.streams:
-            rows.append(measure(base, proc, n, args.rounds, vocab))
-            print(f"  {label}, {n} streams: {rows[-1].tok_s:.1f} tok/s", flush=True)
-    return rows
+            served.rows.append(measure(base, proc, n, args.rounds, vocab))
+            print(f"  {label}, {n} streams: {served.rows[-1].tok_s:.1f} tok/s", flush=True)
+        for length in args.prefill:
+            served.prefill[length] = prefill_tok_s(base, length, vocab)
+    return served
 
 
-def run_llama(gguf: Path, args, vocab: int) -> list[Row]:
-    rows = []
+def run_llama(gguf: Path, args, vocab: int) -> Served:
+    served = Served([], {})
     for n in args.streams:
-        with llama_server(gguf, n, CACHE / "streams-llama-server.log") as (base, proc):
+        with llama_server(
+            gguf, n, n * (PROMPT_TOKENS + OUTPUT_TOKENS + 16), CACHE / "streams-llama-server.log"
+        ) as (
+            base,
+            proc,
+        ):
             warm(base, vocab)
-            rows.append(measure(base, proc, n, args.rounds, vocab))
-            print(f"  llama-server Q4_K_M, {n} streams: {rows[-1].tok_s:.1f} tok/s", flush=True)
-    return rows
+            served.rows.append(measure(base, proc, n, args.rounds, vocab))
+            print(f"  llama-server Q4_K_M, {n} streams: {served.rows[-1].tok_s:.1f} tok/s", flush=True)
+    if args.prefill:
+        with llama_server(gguf, 1, MAX_MODEL_LEN, CACHE / "streams-llama-server.log") as (base, _):
+            warm(base, vocab)
+            served.prefill = {length: prefill_tok_s(base, length, vocab) for length in args.prefill}
+    return served
 
 
-def print_tables(results: dict[str, list[Row]], skipped: dict[str, str]) -> None:
+def print_tables(results: dict[str, Served], skipped: dict[str, str]) -> None:
     print("\n| server | streams | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | RSS (GB) |")
     print("|---|---|---|---|---|---|")
-    for label, rows in results.items():
-        for r in rows:
+    for label, served in results.items():
+        for r in served.rows:
             print(
                 f"| {label} | {r.streams} | {r.tok_s:.1f} | {r.ttft_ms[0]:.0f} / {r.ttft_ms[1]:.0f} "
                 f"| {r.itl_ms[0]:.0f} / {r.itl_ms[1]:.0f} | {r.rss_gb:.2f} |"
             )
     base = results.get("vLLM bf16")
     if base:
-        streams = [r.streams for r in base]
-        print("\n| output tok/s over vLLM bf16's | " + " | ".join(f"{n} streams" for n in streams) + " |")
-        print("|---|" + "---|" * len(streams))
-        for label, rows in results.items():
-            print(
-                f"| {label} | "
-                + " | ".join(f"{r.tok_s / b.tok_s:.2f}x" for r, b in zip(rows, base, strict=True))
-                + " |"
-            )
+        tok_s = {label: [r.tok_s for r in served.rows] for label, served in results.items()}
+        ratio_table("output tok/s", [f"{r.streams} streams" for r in base.rows], tok_s)
+        if base.prefill:
+            prefill = {label: list(served.prefill.values()) for label, served in results.items()}
+            ratio_table("prefill tok/s", [f"{n}-token prompt" for n in base.prefill], prefill)
     for label, why in skipped.items():
         print(f"\n{label}: not run ({why})")
+
+
+def ratio_table(what: str, columns: list[str], values: dict[str, list[float]]) -> None:
+    """Each server's `what` per column, with its ratio to vLLM bf16's."""
+    base = values["vLLM bf16"]
+    print(f"\n| {what} (x vLLM bf16) | " + " | ".join(columns) + " |")
+    print("|---|" + "---|" * len(columns))
+    for label, row in values.items():
+        cells = [f"{v:.1f} ({v / b:.2f}x)" for v, b in zip(row, base, strict=True)]
+        print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:
@@ -238,6 +287,9 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--rounds", type=int, default=1, help="requests per stream")
     parser.add_argument("--servers", nargs="+", default=["bf16", "int4", "ct", "llama"])
+    parser.add_argument(
+        "--prefill", type=int, nargs="*", default=[64, 128, 256, 512, 2048], help="prompt lengths"
+    )
     args = parser.parse_args()
     models = prepared_models("int4", args.layers)
     vocab = json.loads((models["bf16"] / "config.json").read_text())["vocab_size"]
@@ -245,7 +297,7 @@ def main() -> None:
     # spare: 32 layers' bf16 weights (13.8 GB) and their KV must fit in 24 GiB together.
     kv_bytes = max(args.streams) * (PROMPT_TOKENS + OUTPUT_TOKENS) * args.layers * 16384 * 1.1
     kv_gib = max(2, math.ceil(kv_bytes / 2**30))
-    results: dict[str, list[Row]] = {}
+    results: dict[str, Served] = {}
     skipped: dict[str, str] = {}
     if "bf16" in args.servers:
         results["vLLM bf16"] = run_vllm(models["bf16"], "bf16", args, vocab, kv_gib)

@@ -26,12 +26,12 @@ def fast_bf16_gemm() -> bool:
 def dense_dtype(bf16_is_fast: bool | None = None) -> torch.dtype:
     """bf16 on a host with a fast bf16 GEMM, else fp32.
 
-    In bf16 a prefill runs at the GEMM's full rate: on 2 Zen 5 cores (11008 x 4096, bench/
-    prefill.py) 64-512 rows through a dequantized bf16 W^T took 13.5-74 ms where fp32 took
-    48-282 ms. Its rows then differ from the kernel's by bf16 rounding of the weights (~52 dB),
-    as vLLM's own bf16 engine differs between batch shapes. Without a fast bf16 GEMM, bf16
-    would be 4x slower than fp32 and lose fidelity too (96.9% served top-1 agreement on an
-    AVX2 host, under the 97% floor).
+    In bf16 a prefill runs at the GEMM's full rate: on 2 Zen 5 cores, 64-512 rows through a
+    dequantized 11008 x 4096 W^T took 13.5-74 ms in bf16 and 48-282 ms in fp32 (a scratch timing
+    of native_backend._many_rows_gemm). Its rows then differ from the kernel's by bf16 rounding
+    of the weights (~52 dB), as vLLM's own bf16 engine differs between batch shapes. Without a
+    fast bf16 GEMM, bf16 would be 4x slower than fp32 and lose fidelity too (96.9% served top-1
+    agreement on an AVX2 host, under the 97% floor).
     """
     if bf16_is_fast is None:
         bf16_is_fast = fast_bf16_gemm()

@@ -257,15 +257,17 @@ AVX512_BF16 inline __m512bh centred_pair(__m512i codes, int t, __m512i table) {
 }
 
 constexpr int64_t kPanelSteps = 32;  // steps of K in a panel: 4 blocks' pairs are 32 KiB, in L1
+constexpr int kPanelRows = 6;        // 24 sums, 4 weights, a pair of x: 29 of 32 registers
 
-// Groups [g0, g1) of rows [m0, m0 + MR) by blocks [blk, blk + NB), added to y (the output's row
-// m0, row stride P.N). P.xw is x itself here: bf16 [M][K], the pair (k, k+1) in the halves of an
-// int32. The weights come unpacked from the codes, or with kFromPanel from `panel`, where
-// unpack_panel put them for groups from g0 on ([step][pair t][kMaxBlocksAtOnce][16 lanes]).
-// Either way each row sees the same operations in the same order, whatever M: the same bits.
+// Groups [g0, g1) of rows [m0, m0 + MR) by blocks [blk, blk + NB), added to y (the output of row
+// m0 at block blk's first column, rows `ystride` floats apart). P.xw is x itself here: bf16
+// [M][K], the pair (k, k+1) in the halves of an int32. Weights and x come from the codes and
+// P.xw, or with kFromPanel the weights from `panel`, where unpack_panel put them for groups from
+// g0 on ([step][pair t][kMaxBlocksAtOnce][16 lanes]). Either way each row sees the same
+// operations in the same order, whatever M: the same bits.
 template <int MR, int NB, bool kFromPanel>
-AVX512_BF16 void bf16_groups(const Problem& P, const __m512i* panel, int64_t blk, int64_t m0, int64_t g0, int64_t g1,
-                             float* y) {
+AVX512_BF16 void bf16_groups(const Problem& P, const __m512i* panel, int64_t blk, int64_t m0, int64_t g0, int64_t g1, float* y,
+                             int64_t ystride) {
   const int64_t steps = P.g / kStep, pairs = P.K / 2;
   const __m512i table = _mm512_load_si512(kCentredBf16);
   for (int64_t gi = g0; gi < g1; ++gi) {
@@ -287,7 +289,8 @@ AVX512_BF16 void bf16_groups(const Problem& P, const __m512i* panel, int64_t blk
             w[b] = centred_pair(_mm512_loadu_si512(P.packed + ((blk + b) * (P.K / kStep) + c) * kBlock), t, table);
         }
         for (int m = 0; m < MR; ++m) {
-          const __m512bh xp = (__m512bh)_mm512_set1_epi32(P.xw[(m0 + m) * pairs + 4 * c + t]);
+          const int32_t pair = P.xw[(m0 + m) * pairs + 4 * c + t];
+          const __m512bh xp = (__m512bh)_mm512_set1_epi32(pair);
           for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], w[b], xp);
         }
       }
@@ -297,7 +300,7 @@ AVX512_BF16 void bf16_groups(const Problem& P, const __m512i* panel, int64_t blk
       const __m512 s = load_bf16x16(szg), z = load_bf16x16(szg + kBlock);
       for (int m = 0; m < MR; ++m) {
         const __m512 xs = _mm512_set1_ps(P.xsum[(m0 + m) * P.G + gi]);
-        float* ym = y + m * P.N + (blk + b) * kBlock;
+        float* ym = y + m * ystride + b * kBlock;
         _mm512_storeu_ps(ym, _mm512_add_ps(_mm512_loadu_ps(ym), _mm512_fmadd_ps(s, acc[m][b], _mm512_mul_ps(z, xs))));
       }
     }
@@ -306,7 +309,7 @@ AVX512_BF16 void bf16_groups(const Problem& P, const __m512i* panel, int64_t blk
 
 template <int MR, int NB>
 AVX512_BF16 void block_bf16(const Problem& P, int64_t blk, int64_t m0, float* y) {
-  bf16_groups<MR, NB, false>(P, nullptr, blk, m0, 0, P.G, y);
+  bf16_groups<MR, NB, false>(P, nullptr, blk, m0, 0, P.G, y + blk * kBlock, P.N);
 }
 
 // Steps [c0, c1) of blocks [blk, blk + nb) as bf16 pairs, in bf16_groups' panel layout.
@@ -322,34 +325,42 @@ AVX512_BF16 void unpack_panel(const Problem& P, int64_t blk, int nb, int64_t c0,
     }
 }
 
-using PanelFn = void (*)(const Problem&, const __m512i*, int64_t, int64_t, int64_t, int64_t, float*);
-constexpr int kPanelRows = 6;  // 24 sums, 4 weights, a pair of x: 29 of 32 registers
+using PanelFn = void (*)(const Problem&, const __m512i*, int64_t, int64_t, int64_t, int64_t, float*, int64_t);
 const PanelFn kPanelWide[kPanelRows] = {bf16_groups<1, 4, true>, bf16_groups<2, 4, true>, bf16_groups<3, 4, true>,
                                         bf16_groups<4, 4, true>, bf16_groups<5, 4, true>, bf16_groups<6, 4, true>};
 const PanelFn kPanelOne[kPanelRows] = {bf16_groups<1, 1, true>, bf16_groups<2, 1, true>, bf16_groups<3, 1, true>,
                                        bf16_groups<4, 1, true>, bf16_groups<5, 1, true>, bf16_groups<6, 1, true>};
 
 // Rows [0, P.M) of y for blocks [b0, b0 + kMaxBlocksAtOnce) on the AVX-512 BF16 path with the
-// weights unpacked once per panel of K for every row, not once per kPanelRows rows.
+// weights unpacked once per panel of K for every row, not once per kPanelRows rows. The sums
+// build up in rows of 64 floats side by side (y's own rows, 16 KiB apart for N = 4096, shared
+// L1 sets), copied into y at the end.
 void bf16_panels(const Problem& P, int64_t b0, float* y) {
   const int nb = static_cast<int>(std::min<int64_t>(kMaxBlocksAtOnce, P.N / kBlock - b0));
   const int64_t steps = P.g / kStep, groups = std::max<int64_t>(1, kPanelSteps / steps);
+  constexpr int64_t width = kMaxBlocksAtOnce * kBlock;
   alignas(64) __m512i panel[kPanelSteps * 4 * kMaxBlocksAtOnce];
+  thread_local std::vector<float> sums;  // [M][width]: row m's outputs for the blocks from b0 on
+  sums.assign(P.M * width, 0.0f);
+  // Chunks of near-equal size: a last chunk of one row is one dependency chain per block, and
+  // took as long as six rows (7 rows cost 1.6x 6 rows, 4 + 3 cost 1.2x).
+  const int64_t chunks = (P.M + kPanelRows - 1) / kPanelRows;
   for (int64_t g0 = 0; g0 < P.G; g0 += groups) {
     const int64_t g1 = std::min(P.G, g0 + groups);
     unpack_panel(P, b0, nb, g0 * steps, g1 * steps, panel);
-    // Chunks of near-equal size: a last chunk of one row is one dependency chain per block,
-    // and took as long as six rows (7 rows cost 1.6x 6 rows, 4 + 3 cost 1.2x).
-    const int64_t chunks = (P.M + kPanelRows - 1) / kPanelRows;
     for (int64_t i = 0, m0 = 0; i < chunks; ++i) {
       const int mr = static_cast<int>((P.M - m0) / (chunks - i));
+      float* const ym = sums.data() + m0 * width;
       if (nb == kMaxBlocksAtOnce)
-        kPanelWide[mr - 1](P, panel, b0, m0, g0, g1, y + m0 * P.N);
+        kPanelWide[mr - 1](P, panel, b0, m0, g0, g1, ym, width);
       else
-        for (int b = 0; b < nb; ++b) kPanelOne[mr - 1](P, panel + b, b0 + b, m0, g0, g1, y + m0 * P.N);
+        for (int b = 0; b < nb; ++b)
+          kPanelOne[mr - 1](P, panel + b, b0 + b, m0, g0, g1, ym + b * kBlock, width);
       m0 += mr;
     }
   }
+  for (int64_t m = 0; m < P.M; ++m)
+    std::memcpy(y + m * P.N + b0 * kBlock, sums.data() + m * width, nb * kBlock * sizeof(float));
 }
 
 // Rows [m0, m0 + MR) by blocks [blk, blk + NB) into y (the output's row m0, row stride P.N).

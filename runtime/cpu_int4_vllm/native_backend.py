@@ -45,7 +45,8 @@ def kernel_row_limit() -> int:
     The AVX-512 BF16 kernel takes every batch where there is no AMX kernel: it multiplies bf16
     pairs at the dot-product rate and unpacks a panel once for all rows, so on 2 Zen 5 cores
     (bench/prefill.py, 7B shapes) 64-512 rows took 1.15-1.4x the time of vLLM's oneDNN bf16
-    GEMM, where a dequantized bf16 W^T took 1.3-2.1x. A row then gets the same bits in any batch.
+    GEMM, where _many_rows_gemm's dequantized bf16 W^T took 1.3-2.1x (a scratch timing). A row
+    then gets the same bits in any batch.
     """
     return sys.maxsize if native.isa() == native.Isa.AVX512_BF16 and not native.amx() else MAX_KERNEL_ROWS
 

@@ -5,8 +5,10 @@ the row counts of many decoding streams and of prefills.
 
 Layers: the Llama-7B shapes (11008 x 4096, 4096 x 11008, 4096 x 4096; g64), random weights.
 Columns: vLLM's bf16 linear as its CPU build runs it (oneDNN on weights packed at load,
-`create_onednn_mm`); cpu_int4's path (`native_linear`: the AMX kernel where native.amx() says
-so); the same with the AMX kernel off (W^T dequantized a slice at a time for a bf16 GEMM).
+`create_onednn_mm`); cpu_int4 as served (`native_linear`: the kernel below
+`kernel_row_limit()` rows, else the dense path, which is the AMX kernel where native.amx()
+says so); the kernel alone at any row count; the dense path without the AMX kernel (W^T
+dequantized a slice at a time for a bf16 GEMM, fp32 on hosts without a fast bf16 GEMM).
 Each cell: the median of `--rounds` rounds, each the median of 5 calls, the columns taking
 turns within a round so that this VM's drifting speed hits all of them alike. Runs on torch's
 threads (all cores here). Prints one table and the CPU's model and ISA flags.
@@ -43,13 +45,19 @@ def ms_per_call(fn) -> float:
     return statistics.median(times) * 1e3
 
 
-def int4_linear(x, lanes, sz, amx: bool):
-    """A call of native_linear with the AMX kernel on or off (native.amx caches the setting)."""
+def amx_set(on: bool) -> None:
+    """The AMX kernel on or off for what follows (native.amx and the row limit cache it)."""
+    os.environ[native.AMX_ENV] = "1" if on else "0"
+    native.amx.cache_clear()
+    native_backend.kernel_row_limit.cache_clear()
+
+
+def with_amx(on: bool, fn, *args):
+    """fn(*args) with the AMX kernel on or off."""
 
     def call():
-        os.environ[native.AMX_ENV] = "1" if amx else "0"
-        native.amx.cache_clear()
-        return native_backend.native_linear(x, lanes, sz, G)
+        amx_set(on)
+        return fn(*args)
 
     return call
 
@@ -59,12 +67,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 64, 512])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    has_amx = native.amx()
+    has_amx, isa = native.amx(), int(native.isa())
     print(
-        "| rows | N x K | vLLM bf16 (oneDNN, prepacked): ms (GFLOPS) | cpu_int4: ms (GFLOPS) "
-        "| cpu_int4, no AMX kernel | int4 / bf16 time |"
+        "| rows | N x K | vLLM bf16 (oneDNN, prepacked) | cpu_int4 as served | kernel | dense path, no AMX "
+        "| served / bf16 time |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for rows, (n, k) in itertools.product(args.rows, SHAPES):
         weight = torch.randn(n, k) * 0.02
         lanes, sz = pack_native(*quantize_minmax(weight, G))
@@ -72,23 +80,19 @@ def main() -> None:
         x = torch.randn(rows, k).bfloat16()
         columns = {
             "bf16": functools.partial(vllm_ops.onednn_mm, handler, x, None),
-            "int4": int4_linear(x, lanes, sz, has_amx),
+            "int4": with_amx(has_amx, native_backend.native_linear, x, lanes, sz, G),
+            "kernel": functools.partial(torch.ops.cpu_int4_native.gemv, x, lanes, sz, G, isa),
+            "dense": with_amx(False, native_backend._many_rows_gemm, x, lanes, sz, G, isa),
         }
-        if has_amx:
-            columns["no amx"] = int4_linear(x, lanes, sz, False)
         times: dict[str, list[float]] = {name: [] for name in columns}
         for _ in range(args.rounds):
             for name, fn in columns.items():
                 times[name].append(ms_per_call(fn))
+        amx_set(has_amx)
         ms = {name: statistics.median(t) for name, t in times.items()}
-        no_amx = f"{ms['no amx']:.2f}" if has_amx else "(no AMX on this CPU)"
-        ratio = ms["int4"] / ms["bf16"]
-        gflops = {name: 2 * rows * n * k / t / 1e6 for name, t in ms.items()}
-        print(
-            f"| {rows} | {n} x {k} | {ms['bf16']:.2f} ({gflops['bf16']:.0f}) "
-            f"| {ms['int4']:.2f} ({gflops['int4']:.0f}) | {no_amx} | {ratio:.2f} |"
-        )
-    print(cpu_description())
+        cells = [f"{ms[name]:.2f} ({2 * rows * n * k / ms[name] / 1e6:.0f})" for name in columns]
+        print(f"| {rows} | {n} x {k} | " + " | ".join(cells) + f" | {ms['int4'] / ms['bf16']:.2f} |")
+    print("ms per call (GFLOPS); " + cpu_description())
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ worker with `LLM.apply_model`."""
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 from cpu_int4_vllm.format import PACKED_SUFFIX, quantized_tensors
@@ -149,9 +148,8 @@ def step_calls(worker) -> list[dict]:
 
 def compute_paths(model: torch.nn.Module) -> dict:
     """What the int4 layers of `model` run on in its worker: the kernel path and whether large
-    prefills multiply bf16-rounded weights (the dense path in bf16) rather than exact ones."""
-    from cpu_int4_vllm import dense, native, native_backend
+    prefills multiply in bf16."""
+    from cpu_int4_vllm import dense, native
 
     isa = native.isa()
-    dense_prefill = isa is None or native_backend.kernel_row_limit() < sys.maxsize
-    return {"isa": isa.name if isa else None, "bf16_gemm": dense_prefill and dense.fast_bf16_gemm()}
+    return {"isa": isa.name if isa else None, "bf16_gemm": dense.fast_bf16_gemm()}

@@ -158,8 +158,9 @@ def same_alone_and_in_a_batch(llm) -> int:
 
 def test_a_batch_changes_greedy_tokens_no_more_often_than_for_bf16(quant_llm, bf16_llm):
     """Batch invariance, as vLLM's own bf16 engine has it: a row gets the same bits from the int4
-    kernel in any batch, but prefill in the dense path (AVX2 and AVX-512F hosts, over 63 rows)
-    and vLLM's attention are not bound to, so the count is held to bf16's (Zen 4 EPYC: 7 of 8)."""
+    kernel in any batch, but batches in the dense path (over 63 rows on AVX2 and AVX-512F hosts,
+    over 511 on AVX-512 BF16) and vLLM's attention are not bound to, so the count is held to
+    bf16's (Zen 4 EPYC: 7 of 8)."""
     assert len(set(PROMPTS)) == 8
     int4, bf16 = same_alone_and_in_a_batch(quant_llm), same_alone_and_in_a_batch(bf16_llm)
     print(f"\nprompts with the same 16 greedy tokens alone and in a batch of 8: cpu_int4 {int4}, bf16 {bf16}")

@@ -1,6 +1,6 @@
 // cpu_int4's own kernels: y = x @ W^T for bf16 rows x with W in 4-bit groups (decode, many
-// streams, and on the AVX-512 BF16 path prefill too), the dequantize for the dense path, and the
-// quantizer's min/max quantize.
+// streams, and on the AVX-512 BF16 path short prefills too), the dequantize for the dense path,
+// and the quantizer's min/max quantize.
 //
 // Runtime layout (built by native_layout.pack_native from the checkpoint's row-major nibbles; nothing
 // on disk changes):
@@ -25,8 +25,8 @@
 //   vdpbf16ps per row multiplies it by x's own bf16 pair, exact products summed in fp32. The
 //   unpack is shared by up to 6 rows in registers, or by every row once a panel of it is kept
 //   in L1, so a row costs 4 dot products per 128 weights where int16 costs ~9 operations: on 2
-//   Zen 5 cores 4-32 rows ran 1.5x the int16 path's speed, and 64-512 rows at 600-720 GFLOPS
-//   (vLLM's oneDNN bf16 GEMM: 850-950). At 1-2 rows both read DRAM at the same rate there.
+//   Zen 5 cores 4-32 rows ran 1.5x the int16 path's speed, and 64-512 rows at 570-740 GFLOPS
+//   (vLLM's oneDNN bf16 GEMM: 680-935). At 1-2 rows both read DRAM at the same rate there.
 //   (An earlier bf16 route, 128 + q by OR and a broadcast operand per dot product, took 4x
 //   vpmaddwd's time in a probe on Sapphire Rapids; this one is not yet measured there.)
 //
@@ -499,15 +499,39 @@ AVX2 void int16_blocks(const at::Tensor& xb, int64_t group_size, Inputs& in) {
   }
 }
 
+// Sums r in [r0, r1) (r = row * G + group) of bf16 x in groups of g, in fp32, 16 values at a
+// time in the same order for every row.
+AVX512_BF16 void group_sums(const uint16_t* x, int64_t g, int64_t r0, int64_t r1, float* out) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* xg = x + r * g;
+    __m512 acc = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= g; k += 16) acc = _mm512_add_ps(acc, load_bf16x16(xg + k));
+    if (k < g) {  // 8 left (group sizes are multiples of 8)
+      const __m128i rest = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xg + k));
+      const __m512i wide = _mm512_maskz_cvtepu16_epi32(0x00FF, _mm256_castsi128_si256(rest));
+      acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+    }
+    out[r] = _mm512_reduce_add_ps(acc);
+  }
+}
+
 // The AVX-512 BF16 path reads x as it is (its pairs as int32); the others read int16 blocks.
 Inputs gemv_inputs(const at::Tensor& x, int64_t K, int64_t group_size, Isa path) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.dtype() == at::kBFloat16, "cpu_int4 native: x must be bf16 [M, K]");
   const at::Tensor xb = x.contiguous();
-  Inputs in{xb.to(at::kFloat).view({xb.size(0), K / group_size, group_size}).sum(-1).contiguous()};
-  if (path == Isa::kAvx512Bf16)
+  Inputs in;
+  if (path == Isa::kAvx512Bf16) {
+    // Without the fp32 copy of x that at::sum needed (22 MB a call for 512 rows of K = 11008).
+    in.xsum = at::empty({xb.size(0), K / group_size}, xb.options().dtype(at::kFloat));
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+    float* sums = in.xsum.data_ptr<float>();
+    at::parallel_for(0, in.xsum.numel(), 1024, [&](int64_t r0, int64_t r1) { group_sums(xp, group_size, r0, r1, sums); });
     in.xw = xb.view(at::kInt);
-  else
+  } else {
+    in.xsum = xb.to(at::kFloat).view({xb.size(0), K / group_size, group_size}).sum(-1).contiguous();
     int16_blocks(xb, group_size, in);
+  }
   return in;
 }
 
@@ -527,10 +551,12 @@ const Kernel& kernel_of(Isa path) {
   return path == Isa::kAvx2 ? kAvx2 : path == Isa::kAvx512 ? kAvx512 : kBf16;
 }
 
-// The output the kernels write: block_bf16 adds to it, the int16 routines overwrite it.
-at::Tensor gemv_output(const Inputs& in, int64_t N, Isa path) {
+// The output the kernels write: block_bf16 adds to it; bf16_panels and the int16 routines
+// overwrite it, so only the former needs zeros (45 MB for 512 rows of N = 22016).
+at::Tensor gemv_output(const Inputs& in, int64_t N, Isa path, bool panels) {
   const auto options = in.xsum.options();
-  return path == Isa::kAvx512Bf16 ? at::zeros({in.xsum.size(0), N}, options) : at::empty({in.xsum.size(0), N}, options);
+  const bool adds = path == Isa::kAvx512Bf16 && !panels;
+  return adds ? at::zeros({in.xsum.size(0), N}, options) : at::empty({in.xsum.size(0), N}, options);
 }
 
 // Rows [0, P.M) of y (row stride P.N) for blocks [b0, b0 + kMaxBlocksAtOnce) of W's rows
@@ -572,7 +598,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const Isa path = checked_isa(isa);
   const Inputs in = gemv_inputs(x, packed.size(1) * kStep, group_size, path);
   const Problem P = problem_of(in, packed, sz, group_size);
-  at::Tensor y = gemv_output(in, P.N, path);
+  at::Tensor y = gemv_output(in, P.N, path, P.M > kBf16.rows);
   float* yp = y.data_ptr<float>();
   const int64_t units = (packed.size(0) + kMaxBlocksAtOnce - 1) / kMaxBlocksAtOnce;
   parallel_items(units, [&](int64_t u) { gemv_blocks(kernel_of(path), P, u * kMaxBlocksAtOnce, yp); });
@@ -593,7 +619,7 @@ at::Tensor grouped_gemv(const at::Tensor& x, const at::Tensor& packed, const at:
   TORCH_CHECK(packed.is_contiguous() && sz.is_contiguous(), "cpu_int4 native: experts' tensors must be contiguous");
   const Inputs in = gemv_inputs(x, packed.size(2) * kStep, group_size, path);
   const Problem whole = problem_of(in, packed, sz, group_size);
-  at::Tensor y = gemv_output(in, whole.N, path);
+  at::Tensor y = gemv_output(in, whole.N, path, false);  // parts of a few rows add
   const int64_t blocks = packed.size(1), expert_stride = packed[0].numel(), sz_stride = sz[0].numel();
   struct Part {
     Problem P;

@@ -8,7 +8,6 @@ with the right output shape and never guards on the row count.
 from __future__ import annotations
 
 import functools
-import sys
 
 import torch
 
@@ -38,17 +37,22 @@ def linear(x: torch.Tensor, layer, config) -> torch.Tensor:
     return fn(x, layer.int4_packed, layer.scales_and_zeros, config.group_size)
 
 
+# From this many rows the AVX-512 BF16 kernel hands a batch to the dense path where there is no
+# AMX kernel. Below it the kernel is faster: it multiplies bf16 pairs at the dot-product rate and
+# unpacks a panel once for all rows; from here oneDNN's GEMM on a dequantized bf16 W^T catches
+# up, bf16 rounding of the weights and all (2 Zen 5 cores, 7B shapes, `bench/prefill.py`: the
+# kernel took 0.54-0.65x the dense path's time at 64 rows, 0.86-0.99x at 256, 0.93-1.03x at 512
+# and 1.11-1.20x at 2048).
+BF16_KERNEL_MAX_ROWS = 512
+
+
 @functools.cache
 def kernel_row_limit() -> int:
-    """Batches of this many rows or more take _many_rows_gemm, fewer the kernel.
-
-    The AVX-512 BF16 kernel takes every batch where there is no AMX kernel: it multiplies bf16
-    pairs at the dot-product rate and unpacks a panel once for all rows, so on 2 Zen 5 cores
-    (bench/prefill.py, 7B shapes) 64-512 rows took 1.15-1.4x the time of vLLM's oneDNN bf16
-    GEMM, where _many_rows_gemm's dequantized bf16 W^T took 1.3-2.1x (a scratch timing). A row
-    then gets the same bits in any batch.
-    """
-    return sys.maxsize if native.isa() == native.Isa.AVX512_BF16 and not native.amx() else MAX_KERNEL_ROWS
+    """Batches of this many rows or more take _many_rows_gemm, fewer the kernel, which gives a row
+    the same bits in any batch below it."""
+    if native.isa() == native.Isa.AVX512_BF16 and not native.amx():
+        return BF16_KERNEL_MAX_ROWS
+    return MAX_KERNEL_ROWS
 
 
 def native_linear(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -295,7 +295,8 @@ def main() -> None:
     vocab = json.loads((models["bf16"] / "config.json").read_text())["vocab_size"]
     # KV for every stream at once (K and V: 2 x 4096 bf16 values a layer and token), a tenth to
     # spare: 32 layers' bf16 weights (13.8 GB) and their KV must fit in 24 GiB together.
-    kv_bytes = max(args.streams) * (PROMPT_TOKENS + OUTPUT_TOKENS) * args.layers * 16384 * 1.1
+    tokens = max(max(args.streams) * (PROMPT_TOKENS + OUTPUT_TOKENS), MAX_MODEL_LEN)
+    kv_bytes = tokens * args.layers * 16384 * 1.1
     kv_gib = max(2, math.ceil(kv_bytes / 2**30))
     results: dict[str, Served] = {}
     skipped: dict[str, str] = {}

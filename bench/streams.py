@@ -39,11 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import psutil
 import torch
 from compressed import write_compressed
 from kernel import cpu_description
-from load import free_port, serve, started
+from load import free_port, serve, started, tree_rss_gb
 from serve import BENCH_PYTHON, CACHE, DENSE_MODEL, prepared_models
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,11 +127,6 @@ async def drive(base: str, model: str, requests: list[list[int]], concurrency: i
 def p50_p99(values: list[float]) -> tuple[float, float]:
     ordered = sorted(values)
     return statistics.median(ordered), ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-
-
-def tree_rss_gb(proc: subprocess.Popen) -> float:
-    root = psutil.Process(proc.pid)
-    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / 1e9
 
 
 def measure(base: str, proc, streams: int, rounds: int, vocab: int) -> Row:
@@ -235,12 +229,9 @@ def run_vllm(model: Path, label: str, args, vocab: int, kv_gib: int) -> Served:
 def run_llama(gguf: Path, args, vocab: int) -> Served:
     served = Served([], {})
     for n in args.streams:
-        with llama_server(
-            gguf, n, n * (PROMPT_TOKENS + OUTPUT_TOKENS + 16), CACHE / "streams-llama-server.log"
-        ) as (
-            base,
-            proc,
-        ):
+        slots_context = n * (PROMPT_TOKENS + OUTPUT_TOKENS + 16)
+        with llama_server(gguf, n, slots_context, CACHE / "streams-llama-server.log") as running:
+            base, proc = running
             warm(base, vocab)
             served.rows.append(measure(base, proc, n, args.rounds, vocab))
             print(f"  llama-server Q4_K_M, {n} streams: {served.rows[-1].tok_s:.1f} tok/s", flush=True)

@@ -383,7 +383,7 @@ const Kernel kAvx512{{block_avx512<1, 4>, block_avx512<2, 4>, block_avx512<3, 4>
                      {block_avx512<1, 1>, block_avx512<2, 1>, block_avx512<3, 1>},
                      3};
 const Kernel kAvx2{{block_avx2<1, 4>, block_avx2<2, 2>}, {4, 2}, {block_avx2<1, 1>, block_avx2<2, 1>}, 2};
-// 6 rows by 4 blocks: 24 sums, the table, the mask, the codes and a pair in 32 registers.
+// 6 rows by 4 blocks: 24 sums, 4 weights, the table and a pair of x in 32 registers.
 const Kernel kBf16{{block_bf16<1, 4>, block_bf16<2, 4>, block_bf16<3, 4>, block_bf16<4, 4>, block_bf16<5, 4>,
                     block_bf16<6, 4>},
                    {4, 4, 4, 4, 4, 4},

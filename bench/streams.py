@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import torch
 from compressed import write_compressed
+from cpu_int4_vllm import native
 from kernel import cpu_description
 from load import free_port, serve, started, tree_rss_gb
 from serve import BENCH_PYTHON, CACHE, DENSE_MODEL, prepared_models
@@ -208,10 +208,6 @@ def q4_k_m(bf16: Path) -> Path:
     return Path(json.loads(lines[-1].removeprefix("RESULT "))["gguf"])
 
 
-def avx512() -> bool:
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-
-
 def run_vllm(model: Path, label: str, args, vocab: int, kv_gib: int) -> Served:
     served = Served([], {})
     log = CACHE / f"streams-{label}.log"
@@ -297,7 +293,7 @@ def main() -> None:
         results["vLLM + cpu_int4"] = run_vllm(models["int4"], "int4", args, vocab, kv_gib)
     if "ct" in args.servers:
         label = "stock vLLM, compressed-tensors W4A16 g64"
-        if avx512():
+        if native.Isa.AVX512 in native.supported_isas():
             ct = write_compressed(models["bf16"], CACHE / f"{DENSE_MODEL[0]}-{args.layers}l-ct-w4a16")
             results[label] = run_vllm(ct, "ct", args, vocab, kv_gib)
         else:

@@ -547,6 +547,9 @@ Problem problem_of(const Inputs& in, const at::Tensor& packed, const at::Tensor&
           in.xsum.size(0), packed.size(-2) * kStep, packed.size(-3) * kBlock, sz.size(-3), group_size};
 }
 
+// Whether the AVX-512 BF16 path takes M rows through bf16_panels rather than in registers.
+bool in_panels(int64_t M) { return M > kBf16.rows; }
+
 const Kernel& kernel_of(Isa path) {
   return path == Isa::kAvx2 ? kAvx2 : path == Isa::kAvx512 ? kAvx512 : kBf16;
 }
@@ -562,7 +565,7 @@ at::Tensor gemv_output(const Inputs& in, int64_t N, Isa path, bool panels) {
 // Rows [0, P.M) of y (row stride P.N) for blocks [b0, b0 + kMaxBlocksAtOnce) of W's rows
 // (fewer at the layer's end).
 void gemv_blocks(const Kernel& kernel, const Problem& P, int64_t b0, float* y) {
-  if (&kernel == &kBf16 && P.M > kernel.rows) return bf16_panels(P, b0, y);
+  if (&kernel == &kBf16 && in_panels(P.M)) return bf16_panels(P, b0, y);
   const int64_t b1 = std::min(b0 + kMaxBlocksAtOnce, P.N / kBlock);
   for (int64_t m0 = 0; m0 < P.M; m0 += kernel.rows) {
     const int mr = static_cast<int>(std::min<int64_t>(kernel.rows, P.M - m0));
@@ -598,7 +601,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const Isa path = checked_isa(isa);
   const Inputs in = gemv_inputs(x, packed.size(1) * kStep, group_size, path);
   const Problem P = problem_of(in, packed, sz, group_size);
-  at::Tensor y = gemv_output(in, P.N, path, P.M > kBf16.rows);
+  at::Tensor y = gemv_output(in, P.N, path, in_panels(P.M));
   float* yp = y.data_ptr<float>();
   const int64_t units = (packed.size(0) + kMaxBlocksAtOnce - 1) / kMaxBlocksAtOnce;
   parallel_items(units, [&](int64_t u) { gemv_blocks(kernel_of(path), P, u * kMaxBlocksAtOnce, yp); });

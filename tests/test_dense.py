@@ -43,7 +43,7 @@ def test_the_dense_path_multiplies_in_the_chosen_dtype(bf16_is_fast, monkeypatch
     weight = dequantize(packed, scale, zero, 64, torch.float32)
     in_fp32 = (x.float() @ weight.t()).bfloat16()
     in_bf16 = x @ weight.bfloat16().t()
-    out = _many_rows_gemm(x, lanes, sz, 64, native.isa()).bfloat16()
+    out = _many_rows_gemm(x, lanes, sz, 64, native.isa())  # bf16, as x
     closer, farther = (in_bf16, in_fp32) if bf16_is_fast else (in_fp32, in_bf16)
     assert (out == closer).float().mean() > 0.95
     assert (out == farther).float().mean() < 0.9
